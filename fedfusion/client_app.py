@@ -1,0 +1,109 @@
+"""fedfusion ClientApp: train M members from the broadcast inits, upload what the server asks.
+
+The same ClientApp runs in a simulation (one Ray actor per SuperNode) and on a real
+SuperNode. Node config may override a few run-config keys per client (for example
+``flower-supernode --node-config "partition-id=0 num-partitions=5 num-members=3"``):
+see :data:`NODE_OVERRIDES`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedfusion.config import Settings
+from fedfusion.federation import federated_split
+from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
+from fedfusion.predictors import ModelSpec
+from fedfusion.training import TrainConfig, train_local
+from fedfusion.uploads import build_section
+
+log = logging.getLogger("fedfusion")
+
+#: run-config keys a SuperNode's node config may override for its own client
+NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads")
+
+app = ClientApp()
+
+
+def default_model(settings: Settings, input_shape: Sequence[int]) -> str:
+    """The run's model: ``model`` if set, else LeNet for 1-channel and the CNN for 3-channel."""
+    return settings.model or ("lenet" if input_shape[0] == 1 else "cnn")
+
+
+def member_seed(settings: Settings, client_id: int, member: int, server_round: int) -> int:
+    return (settings.seed * 1_000_003 + server_round * 10_007 + client_id * 101 + member) % 2**62
+
+
+def run_client(
+    settings: Settings,
+    client_id: int,
+    inits: Sequence[NumpyDict],
+    sections: Sequence[str] = (WEIGHTS,),
+    server_round: int = 1,
+) -> ClientUpload:
+    """Train ``settings.num_members`` members and compute the requested upload sections."""
+    torch.set_num_threads(settings.client_threads)
+    split = federated_split(settings)
+    x, y = split.client_data(client_id)
+    bundle = split.bundle
+    spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
+                     bundle.num_classes, settings.parsed_model_kwargs())
+    train_config = TrainConfig(settings.local_epochs, settings.lr, settings.momentum,
+                               settings.batch_size)
+    members: list[dict[str, NumpyDict]] = []
+    train_s = stats_s = 0.0
+    for m in range(settings.num_members):
+        seed = member_seed(settings, client_id, m, server_round)
+        torch.manual_seed(seed)
+        model = spec.build()
+        if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
+            model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
+        stats = train_local(model, x, y, train_config, seed)
+        start = time.perf_counter()
+        members.append({s: build_section(s, model, x, y, settings) for s in sections})
+        stats_s += time.perf_counter() - start
+        train_s += stats.seconds
+        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f",
+                 client_id, m + 1, settings.num_members, len(y), stats.seconds,
+                 stats.samples_per_s, stats.final_loss)
+    return ClientUpload(
+        client_id=client_id,
+        model=spec.name,
+        model_kwargs=spec.kwargs,
+        num_examples=len(y),
+        members=members,
+        metrics={
+            "train-time-s": train_s,
+            "stats-time-s": stats_s,
+            "class-histogram": [int(v) for v in split.histogram[client_id]],
+        },
+    )
+
+
+def _same_shapes(a: Mapping[str, np.ndarray], b: Mapping[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(tuple(a[k].shape) == tuple(b[k].shape) for k in a)
+
+
+def settings_for_node(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Settings:
+    overrides = {k: node_config[k] for k in NODE_OVERRIDES if k in node_config}
+    return Settings.from_mapping({**run_config, **overrides})
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Flower entry point: one round of local training and the upload."""
+    settings = settings_for_node(context.run_config, context.node_config)
+    client_id = int(context.node_config["partition-id"])
+    config = msg.content["config"]
+    sections = list(config.get("sections", [WEIGHTS]))
+    upload = run_client(settings, client_id, decode_models(msg.content["arrays"]), sections,
+                        int(config.get("server-round", 1)))
+    return Message(content=encode_upload(upload), reply_to=msg)

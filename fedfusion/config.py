@@ -1,0 +1,158 @@
+"""Run settings: one typed, validated view of Flower's run config.
+
+Flower hands ServerApp and ClientApp a flat ``run_config`` mapping with kebab-case keys
+(``[tool.flwr.app.config]`` in pyproject.toml, overridden by ``--run-config``). Both apps,
+the replay CLI and the tests parse it through :meth:`Settings.from_mapping`, so a typo or a
+wrong type fails the same way everywhere, with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fedfusion.datasets import DATASETS, PARTITIONERS
+
+
+class ConfigError(ValueError):
+    """A run-config key is unknown, mistyped or out of range."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob of a fedfusion run. Field ``foo_bar`` is run-config key ``foo-bar``."""
+
+    # what runs
+    strategy: str = "fedavg"
+    num_rounds: int = 1
+    # data
+    dataset: str = "fmnist"
+    data_dir: str = ""
+    val_size: int = 500
+    train_subset: int = 0
+    partitioner: str = "dirichlet"
+    alpha: float = 0.1
+    labels_per_client: str = "3,6"
+    fractions: str = ""
+    min_samples: int = 10
+    num_clients: int = 5
+    seed: int = 0
+    # model and local training
+    model: str = ""
+    model_kwargs: str = ""
+    num_members: int = 1
+    local_epochs: int = 20
+    lr: float = 0.01
+    momentum: float = 0.9
+    batch_size: int = 64
+    client_threads: int = 1
+    # server
+    server_device: str = "auto"
+    eval_batch_size: int = 2000
+    # outputs
+    output_dir: str = ""
+    run_name: str = ""
+    save_uploads: bool = True
+    replay: str = ""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Settings:
+        """Parse a run-config mapping; reject unknown keys and wrong types by name."""
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                close = [k for k in known if k.split("-")[0] == key.split("-")[0]]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown run-config key {key!r}{hint}")
+            kwargs[known[key].name] = _coerce(key, value, known[key].type)
+        settings = cls(**kwargs)
+        settings.validate()
+        return settings
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The run-config mapping that reproduces these settings."""
+        return {
+            f.name.replace("_", "-"): getattr(self, f.name)
+            for f in fields(self)
+        }
+
+    def replace(self, **changes: Any) -> Settings:
+        settings = dataclasses.replace(self, **changes)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        from fedfusion.models import available_models
+        from fedfusion.strategies import available_strategies
+
+        _check_choice("strategy", self.strategy, available_strategies())
+        _check_choice("dataset", self.dataset, DATASETS)
+        _check_choice("partitioner", self.partitioner, PARTITIONERS)
+        if self.model:
+            _check_choice("model", self.model, available_models())
+        for key in ("num-rounds", "num-clients", "num-members", "batch-size", "client-threads",
+                    "eval-batch-size"):
+            if getattr(self, key.replace("-", "_")) < 1:
+                raise ConfigError(f"run-config {key!r} must be >= 1")
+        for key in ("val-size", "train-subset", "local-epochs", "min-samples"):
+            if getattr(self, key.replace("-", "_")) < 0:
+                raise ConfigError(f"run-config {key!r} must be >= 0")
+        if self.alpha <= 0:
+            raise ConfigError("run-config 'alpha' must be > 0")
+        if self.lr <= 0:
+            raise ConfigError("run-config 'lr' must be > 0")
+        if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
+            raise ConfigError("run-config 'server-device' must be 'auto', 'cpu' or 'cuda[:i]'")
+        self.parsed_model_kwargs()
+        self.parsed_labels_per_client()
+        self.parsed_fractions()
+
+    def parsed_model_kwargs(self) -> dict[str, Any]:
+        if not self.model_kwargs:
+            return {}
+        try:
+            kwargs = json.loads(self.model_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"run-config 'model-kwargs' is not JSON: {exc}") from exc
+        if not isinstance(kwargs, dict):
+            raise ConfigError("run-config 'model-kwargs' must be a JSON object")
+        return kwargs
+
+    def parsed_labels_per_client(self) -> tuple[int, int]:
+        try:
+            low, high = (int(v) for v in self.labels_per_client.split(","))
+        except ValueError as exc:
+            raise ConfigError("run-config 'labels-per-client' must look like '3,6'") from exc
+        if not 1 <= low <= high:
+            raise ConfigError("run-config 'labels-per-client' needs 1 <= low <= high")
+        return low, high
+
+    def parsed_fractions(self) -> tuple[float, ...] | None:
+        if not self.fractions:
+            return None
+        try:
+            return tuple(float(v) for v in self.fractions.split(","))
+        except ValueError as exc:
+            raise ConfigError("run-config 'fractions' must look like '0.5,0.3,0.2'") from exc
+
+
+def _check_choice(key: str, value: str, choices: Any) -> None:
+    if value not in choices:
+        raise ConfigError(f"run-config {key!r} is {value!r}; choose one of {', '.join(choices)}")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    kind = {"str": str, "int": int, "float": float, "bool": bool}[str(annotation)]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(
+            f"run-config {key!r} must be {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value

@@ -1,0 +1,165 @@
+"""Run a fedfusion simulation through ``flwr run`` and judge it by its results file.
+
+``python -m fedfusion.launch [--run-config "k=v ..."] [--num-supernodes N]``
+
+Flower keeps connection and simulation options outside pyproject.toml and starts a
+detached local SuperLink that outlives the run; ``flwr run`` also exits 0 when the run
+fails. This launcher makes a run self-contained:
+
+* a private ``FLWR_HOME`` and free ports, so it never reuses a stale SuperLink;
+* ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (the environment is already set up);
+* ``--federation-config`` from ``[tool.fedfusion.simulation]`` in pyproject.toml, with one
+  SuperNode per client (``num-clients``);
+* the SuperLink and everything it started are stopped afterwards;
+* success is read from ``<output-dir>/<run-name>/results.json``; exit 1 if it is not "ok".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _process_tree(pid: int) -> list[int]:
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += _children(current)
+    return tree
+
+
+def stop_superlink(port: int) -> int:
+    """Stop the SuperLink listening on ``port`` and its whole process tree."""
+    roots = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"flower-superlink" in a for a in args[:2]) and str(port).encode() in args:
+            roots.append(int(cmdline.parent.name))
+    victims = [p for root in roots for p in _process_tree(root)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGTERM:
+            time.sleep(2)
+    return len(roots)
+
+
+def simulation_defaults(app_dir: Path) -> dict[str, object]:
+    pyproject = tomllib.loads((app_dir / "pyproject.toml").read_text())
+    return dict(pyproject["tool"]["fedfusion"]["simulation"])
+
+
+def run_config_value(run_config: str, key: str) -> str | None:
+    for item in shlex.split(run_config):
+        name, _, value = item.partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Path = APP_DIR,
+           timeout: float = 3 * 3600) -> dict:
+    """Run ``flwr run`` on a private local SuperLink; return the parsed results.json."""
+    federation = simulation_defaults(app_dir)
+    clients = run_config_value(run_config, "num-clients")
+    federation["num-supernodes"] = num_supernodes or int(clients or federation["num-supernodes"])
+    if clients is None:
+        run_config += f" num-clients={federation['num-supernodes']}"
+    output_dir = run_config_value(run_config, "output-dir") or str(app_dir / "outputs")
+    output_dir = str(Path(output_dir.strip("'\"")).expanduser().resolve())
+    run_name = (run_config_value(run_config, "run-name") or "").strip("'\"") or (
+        time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    items = [_toml_item(item) for item in shlex.split(run_config)
+             if item.partition("=")[0] not in ("output-dir", "run-name")]
+    items += [f"output-dir='{output_dir}'", f"run-name='{run_name}'"]
+    http_port, control_port = free_port(), free_port()
+    env = dict(os.environ, FLWR_HOME=tempfile.mkdtemp(prefix="fedfusion-flwr-"),
+               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
+               FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               FLWR_DISABLE_UPDATE_CHECK="1")
+    bin_dir = Path(sys.executable).parent
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    federation_config = " ".join(f"{k}={v}" for k, v in federation.items())
+    command = [str(bin_dir / "flwr"), "run", str(app_dir), "--stream",
+               "--federation-config", federation_config]
+    for item in items:  # one flag per key: values with spaces need no extra quoting
+        command += ["--run-config", item]
+    print("$", " ".join(shlex.quote(c) for c in command), flush=True)
+    try:
+        subprocess.run(command, env=env, timeout=timeout, check=False)
+    finally:
+        stop_superlink(http_port)
+    results_file = Path(output_dir) / run_name / "results.json"
+    if not results_file.is_file():
+        raise RuntimeError(f"the run wrote no {results_file}: see the log above")
+    results = json.loads(results_file.read_text())
+    if results.get("status") != "ok":
+        raise RuntimeError(f"the run failed: {results.get('error')}")
+    return results
+
+
+def _toml_item(item: str) -> str:
+    """Quote a bare string value for Flower's TOML-typed --run-config parser."""
+    key, _, value = item.partition("=")
+    if value[:1] in ("'", '"') or value in ("true", "false"):
+        return item
+    try:
+        float(value)
+        return item
+    except ValueError:
+        return f"{key}='{value}'"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-config", default="", help='e.g. "strategy=ensemble alpha=0.4"')
+    parser.add_argument("--num-supernodes", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        launch(args.run_config, args.num_supernodes)
+    except RuntimeError as exc:
+        print(f"fedfusion.launch: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

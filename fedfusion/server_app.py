@@ -1,0 +1,246 @@
+"""fedfusion ServerApp: build the strategy from the run config, run it (or replay cached
+uploads into it), evaluate the global predictor, print a summary and save the results.
+
+Outputs of a run, in ``<output-dir>/<run-name>/``:
+
+* ``results.json``: settings, test/validation metrics, per-round metrics, per-client
+  histogram, training time and upload size, excluded clients with reasons, timings;
+* ``predictor.pt``: the global predictor (:func:`fedfusion.predictors.load_predictor`);
+* ``uploads/``: the clients' uploads of a one-shot run (replay them with ``replay=...``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedfusion.client_app import default_model
+from fedfusion.config import ConfigError, Settings
+from fedfusion.evaluation import evaluate, resolve_device
+from fedfusion.federation import FederatedSplit, federated_split
+from fedfusion.payload import ClientUpload, NumpyDict, encode_models
+from fedfusion.predictors import ModelSpec, save_predictor
+from fedfusion.strategies import FusionContext, FusionStrategy, build_strategy
+from fedfusion.upload_store import load_uploads, save_uploads
+
+log = logging.getLogger("fedfusion")
+
+#: run-config keys that decide the clients' data and models: a replay takes them from the
+#: upload folder's manifest, since the uploads were trained under them
+DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
+             "fractions", "min-samples", "num-clients", "seed", "model", "model-kwargs",
+             "num-members", "local-epochs", "lr", "momentum", "batch-size")
+
+app = ServerApp()
+
+
+def setup_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s fedfusion %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def initial_models(spec: ModelSpec, num_members: int, seed: int) -> list[NumpyDict]:
+    """The M initial models the server broadcasts (FedBEns Algorithm 1, line 1)."""
+    models = []
+    for m in range(num_members):
+        torch.manual_seed(seed * 7919 + m)
+        models.append({k: v.numpy() for k, v in spec.build().state_dict().items()})
+    return models
+
+
+def output_folder(settings: Settings) -> Path:
+    root = Path(settings.output_dir).expanduser() if settings.output_dir else (
+        Path.home() / "fedfusion-outputs")
+    name = settings.run_name or (
+        f"{time.strftime('%Y%m%d-%H%M%S')}-{settings.strategy}-{settings.dataset}"
+        f"-{settings.partitioner}{settings.alpha:g}-s{settings.seed}"
+        + ("-replay" if settings.replay else ""))
+    folder = root.resolve() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def replay_settings(settings: Settings) -> tuple[Settings, list[ClientUpload]]:
+    """Adopt the data/model settings the cached uploads were produced under."""
+    produced_under, uploads = load_uploads(settings.replay)
+    changes = {}
+    for key in DATA_KEYS:
+        if key in produced_under and produced_under[key] != settings.to_mapping()[key]:
+            log.warning("replay: using %s=%r from the upload folder (run config had %r)", key,
+                        produced_under[key], settings.to_mapping()[key])
+            changes[key.replace("-", "_")] = produced_under[key]
+    return settings.replace(**changes), uploads
+
+
+def print_histogram(split: FederatedSplit) -> None:
+    hist = split.histogram
+    header = "client " + " ".join(f"{k:>6d}" for k in range(hist.shape[1])) + "   total"
+    lines = [header] + [
+        f"{c:>6d} " + " ".join(f"{v:>6d}" for v in row) + f" {row.sum():>7d}"
+        for c, row in enumerate(hist)
+    ]
+    log.info("class histogram per client (columns: classes)\n%s", "\n".join(lines))
+
+
+def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
+    """Run one fedfusion job (live through ``grid``, or a replay) and save its results."""
+    setup_logging()
+    wall_start = time.perf_counter()
+    uploads: list[ClientUpload] | None = None
+    if settings.replay:
+        settings, uploads = replay_settings(settings)
+    folder = output_folder(settings)
+    results: dict[str, Any] = {"status": "running", "settings": settings.to_mapping(),
+                               "output_dir": str(folder)}
+    try:
+        _run(settings, grid, uploads, folder, results)
+        results["status"] = "ok"
+    except Exception as exc:
+        results.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                       traceback=traceback.format_exc())
+        raise
+    finally:
+        results.setdefault("timing", {})["wall_s"] = time.perf_counter() - wall_start
+        (folder / "results.json").write_text(json.dumps(results, indent=1, default=_jsonable))
+        print_summary(results)
+    return results
+
+
+def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | None,
+         folder: Path, results: dict[str, Any]) -> None:
+    split = federated_split(settings)
+    bundle = split.bundle
+    print_histogram(split)
+    results["partition"] = {"histogram": split.histogram.tolist(),
+                            "sizes": [len(i) for i in split.client_indices]}
+    device = resolve_device(settings.server_device)
+    spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
+                     bundle.num_classes, settings.parsed_model_kwargs())
+    context = FusionContext(spec, device, val=bundle.val if len(bundle.val) else None,
+                            seed=settings.seed)
+    strategy = build_strategy(settings.strategy, context, settings)
+    if strategy.one_shot_only and settings.num_rounds > 1:
+        raise ConfigError(f"strategy {settings.strategy!r} is one-shot: set num-rounds=1")
+    results["rounds"] = rounds = []
+    eval_seconds = [0.0]
+
+    def evaluate_predictor(server_round: int) -> dict[str, float]:
+        start = time.perf_counter()
+        assert strategy.predictor is not None
+        metrics = {f"test_{k}": v for k, v in evaluate(
+            strategy.predictor, bundle.test.x, bundle.test.y, device, settings.eval_batch_size
+        ).items()}
+        eval_seconds[0] += time.perf_counter() - start
+        rounds.append({"round": server_round, **metrics})
+        log.info("round %d: test accuracy %.2f%%, NLL %.4f, ECE %.4f", server_round,
+                 100 * metrics["test_accuracy"], metrics["test_nll"], metrics["test_ece"])
+        return metrics
+
+    if uploads is not None:
+        results["replay_of"] = str(Path(settings.replay).resolve())
+        strategy.fuse_uploads(uploads)
+        evaluate_predictor(1)
+    else:
+        if grid is None:
+            raise ValueError("a live run needs a Flower grid; pass replay=<folder> to replay")
+        if settings.save_uploads and settings.num_rounds == 1:
+            strategy.upload_sink = lambda ups: save_uploads(folder / "uploads", ups,
+                                                            settings.to_mapping())
+        strategy.start(
+            grid,
+            encode_models(initial_models(spec, settings.num_members, settings.seed)),
+            num_rounds=settings.num_rounds,
+            train_config=ConfigRecord(),
+            evaluate_fn=lambda rnd, _arrays: (
+                MetricRecord(evaluate_predictor(rnd)) if rnd > 0 else None),
+        )
+    assert strategy.predictor is not None
+    save_predictor(strategy.predictor, folder / "predictor.pt")
+    results["test"] = {k.removeprefix("test_"): v for k, v in rounds[-1].items() if k != "round"}
+    if context.val is not None:
+        results["val"] = evaluate(strategy.predictor, context.val.x, context.val.y, device)
+    results["clients"] = client_table(strategy.uploads)
+    results["excluded"] = strategy.exclusions
+    train_times = [c["train_time_s"] for c in results["clients"]]
+    results["timing"] = {
+        "client_train_s_sum": float(np.sum(train_times)),
+        "client_train_s_max": float(np.max(train_times)) if train_times else 0.0,
+        "client_stats_s_sum": float(np.sum([c["stats_time_s"] for c in results["clients"]])),
+        "server_fuse_s": strategy.fuse_seconds,
+        "server_eval_s": eval_seconds[0],
+    }
+    results.update(strategy=strategy.name, dataset=settings.dataset, model=spec.name,
+                   partitioner=settings.partitioner, alpha=settings.alpha,
+                   num_clients=settings.num_clients, seed=settings.seed,
+                   num_rounds=settings.num_rounds, device=str(device))
+
+
+def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
+    return [{
+        "client_id": u.client_id,
+        "num_examples": u.num_examples,
+        "num_members": u.num_members,
+        "model": u.model,
+        "class_histogram": u.metrics.get("class-histogram"),
+        "train_time_s": float(u.metrics.get("train-time-s", 0.0)),
+        "stats_time_s": float(u.metrics.get("stats-time-s", 0.0)),
+        "upload_mb": u.nbytes / 1e6,
+    } for u in uploads]
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    s = results["settings"]
+    test = results.get("test", {})
+    timing = results.get("timing", {})
+    excluded = results.get("excluded") or []
+    lines = [
+        "=" * 64,
+        f"fedfusion {results['status'].upper()}: strategy {s['strategy']}, "
+        f"{s['num-rounds']} round(s)" + (" (replay)" if s.get("replay") else ""),
+        f"  data     {s['dataset']}, {s['partitioner']} alpha={s['alpha']:g}, "
+        f"{s['num-clients']} clients, seed {s['seed']}",
+    ]
+    if test:
+        lines.append(f"  test     accuracy {100 * test['accuracy']:.2f}%   NLL {test['nll']:.4f}"
+                     f"   ECE {test['ece']:.4f}")
+    if "val" in results:
+        lines.append(f"  val      accuracy {100 * results['val']['accuracy']:.2f}%")
+    if "client_train_s_sum" in timing:
+        lines.append(f"  time     wall {timing['wall_s']:.1f} s | client training "
+                     f"{timing['client_train_s_sum']:.1f} s (sum) | server fuse "
+                     f"{timing['server_fuse_s']:.2f} s + eval {timing['server_eval_s']:.2f} s")
+    lines.append(f"  excluded {len(excluded)}" + "".join(
+        f"\n    - client {e['client']}: {e['reason']}" for e in excluded))
+    if results["status"] == "failed":
+        lines.append(f"  error    {results.get('error')}")
+    lines += [f"  results  {results['output_dir']}/results.json", "=" * 64]
+    print("\n".join(lines), flush=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Flower entry point."""
+    run_server(Settings.from_mapping(context.run_config), grid)

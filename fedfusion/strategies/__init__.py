@@ -1,0 +1,35 @@
+"""Flower strategies of fedfusion, importable into any Flower project.
+
+>>> from fedfusion.strategies import FedAvg, UniformEnsemble
+"""
+
+from __future__ import annotations
+
+from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.ensemble import UniformEnsemble
+from fedfusion.strategies.fedavg import FedAvg
+
+STRATEGIES: dict[str, type[FusionStrategy]] = {
+    cls.name: cls for cls in (FedAvg, UniformEnsemble)
+}
+
+
+def available_strategies() -> list[str]:
+    return sorted(STRATEGIES)
+
+
+def build_strategy(name: str, context: FusionContext, settings: object) -> FusionStrategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; available: {available_strategies()}")
+    return STRATEGIES[name].from_settings(context, settings)
+
+
+__all__ = [
+    "STRATEGIES",
+    "FedAvg",
+    "FusionContext",
+    "FusionStrategy",
+    "UniformEnsemble",
+    "available_strategies",
+    "build_strategy",
+]

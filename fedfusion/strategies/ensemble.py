@@ -1,0 +1,26 @@
+"""Uniform ensemble: p(y|x) = 1/N sum_{c,m} softmax(f_{c,m}(x)) over every uploaded member
+of every client, each with the same weight. Architectures may differ between clients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from fedfusion.payload import ClientUpload
+from fedfusion.predictors import Ensemble
+from fedfusion.strategies.base import FusionStrategy
+
+
+class UniformEnsemble(FusionStrategy):
+    """Average of all client members' softmax outputs."""
+
+    name = "ensemble"
+    same_architecture = False
+
+    def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
+        models, specs = [], []
+        for upload in uploads:
+            models += self.context.member_models(upload)
+            specs += [self.context.spec_for(upload)] * upload.num_members
+        return Ensemble(models, specs)
