@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 APP_DIR = Path(__file__).resolve().parent.parent
 

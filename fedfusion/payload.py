@@ -100,7 +100,9 @@ def encode_upload(upload: ClientUpload) -> RecordDict:
             "sections": upload.sections,
         }
     )
-    content[METRICS_KEY] = MetricRecord({"num-examples": int(upload.num_examples), **upload.metrics})
+    content[METRICS_KEY] = MetricRecord(
+        {"num-examples": int(upload.num_examples), **upload.metrics}
+    )
     for m, member in enumerate(upload.members):
         for section, arrays in member.items():
             content[member_key(m, section)] = ArrayRecord(
@@ -244,7 +246,9 @@ def _get_record(content: RecordDict, key: str, kind: type, client: str | int):  
         raise UploadError(client, f"record {key!r} is missing")
     record = content[key]
     if not isinstance(record, kind):
-        raise UploadError(client, f"record {key!r} is a {type(record).__name__}, not {kind.__name__}")
+        raise UploadError(
+            client, f"record {key!r} is a {type(record).__name__}, not {kind.__name__}"
+        )
     return record
 
 

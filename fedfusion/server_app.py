@@ -31,7 +31,7 @@ from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.federation import FederatedSplit, federated_split
 from fedfusion.payload import ClientUpload, NumpyDict, encode_models
 from fedfusion.predictors import ModelSpec, save_predictor
-from fedfusion.strategies import FusionContext, FusionStrategy, build_strategy
+from fedfusion.strategies import FusionContext, build_strategy
 from fedfusion.upload_store import load_uploads, save_uploads
 
 log = logging.getLogger("fedfusion")

@@ -139,7 +139,8 @@ class FusionStrategy(Strategy, ABC):
 
     def _check_architecture(self, upload: ClientUpload) -> None:
         spec = self.context.model_spec
-        if self.same_architecture and (upload.model, upload.model_kwargs) != (spec.name, spec.kwargs):
+        same = (upload.model, upload.model_kwargs) == (spec.name, spec.kwargs)
+        if self.same_architecture and not same:
             raise UploadError(
                 upload.client_id,
                 f"model {upload.model}{upload.model_kwargs} differs from the server's "
@@ -203,7 +204,9 @@ class FusionStrategy(Strategy, ABC):
         """No federated evaluation: the server evaluates centrally on the test set."""
         return []
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         return None
 
     def summary(self) -> None:

@@ -1,0 +1,44 @@
+import math
+
+import torch
+
+from fedfusion.evaluation import ECE_BINS, classification_metrics, evaluate
+from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
+
+
+def brute_force_ece(probs: torch.Tensor, y: torch.Tensor) -> float:
+    total = 0.0
+    conf, pred = probs.max(1)
+    for b in range(ECE_BINS):
+        low, high = b / ECE_BINS, (b + 1) / ECE_BINS
+        idx = [i for i in range(len(y)) if low <= conf[i] < high or (b == ECE_BINS - 1 and conf[i] == 1)]
+        if idx:
+            acc = sum(float(pred[i] == y[i]) for i in idx) / len(idx)
+            total += len(idx) / len(y) * abs(acc - float(conf[idx].mean()))
+    return total
+
+
+def test_metrics_against_brute_force():
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(500, 10)
+    y = torch.randint(0, 10, (500,))
+    metrics = classification_metrics(torch.log_softmax(logits, 1), y)
+    probs = logits.softmax(1)
+    assert math.isclose(metrics["accuracy"], float((probs.argmax(1) == y).float().mean()))
+    nll = -float(torch.log(probs[torch.arange(500), y]).mean())
+    assert math.isclose(metrics["nll"], nll, rel_tol=1e-5)
+    assert math.isclose(metrics["ece"], brute_force_ece(probs, y), rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_ensemble_averages_probabilities_and_saves(tmp_path):
+    spec = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 5})
+    torch.manual_seed(1)
+    models = [spec.build() for _ in range(3)]
+    ensemble = Ensemble(models, [spec] * 3)
+    x = torch.randn(8, 1, 4, 4)
+    expected = torch.stack([m(x).softmax(1) for m in models]).mean(0)
+    assert torch.allclose(ensemble(x).exp(), expected, atol=1e-6)
+    loaded = load_predictor(save_predictor(ensemble, tmp_path / "p.pt"))
+    assert torch.equal(loaded(x), ensemble(x))
+    y = torch.randint(0, 3, (8,))
+    assert evaluate(loaded, x, y) == evaluate(ensemble, x, y)

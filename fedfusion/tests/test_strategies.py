@@ -1,0 +1,127 @@
+"""FedAvg and the uniform ensemble: the math, the Message API round, bad clients, replay."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message
+
+from fedfusion.payload import UploadError, member_key
+from fedfusion.server_app import run_server
+from fedfusion.strategies import FedAvg, FusionContext, UniformEnsemble
+from fedfusion.tests.conftest import InProcessGrid
+from fedfusion.tests.test_payload import SPEC, make_upload
+
+
+def test_fedavg_is_the_sample_weighted_mean():
+    uploads = [make_upload(i, members=1, seed=i) for i in range(3)]
+    for u, n in zip(uploads, (100, 300, 600), strict=True):
+        u.num_examples = n
+    predictor = FedAvg(FusionContext(SPEC), num_clients=3).fuse(uploads)
+    fused = predictor.members[0].state_dict()
+    for name in fused:
+        expected = sum(n * u.weights(0)[name] for u, n in zip(uploads, (100, 300, 600),
+                                                               strict=True)) / 1000
+        np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fedavg_of_identical_clients_is_that_client():
+    upload = make_upload(members=1)
+    predictor = FedAvg(FusionContext(SPEC), 2).fuse([upload, make_upload(1, members=1)][:1] * 2)
+    for name, value in predictor.members[0].state_dict().items():
+        assert torch.equal(value, torch.from_numpy(upload.weights(0)[name]))
+
+
+def test_ensemble_holds_every_member_of_every_client():
+    uploads = [make_upload(0, members=2), make_upload(1, members=3, seed=1)]
+    predictor = UniformEnsemble(FusionContext(SPEC), 2).fuse(uploads)
+    assert len(predictor.members) == 5
+    x = torch.randn(4, 1, 28, 28)
+    models = [SPEC.build(m["weights"]) for u in uploads for m in u.members]
+    expected = torch.stack([m(x).softmax(1) for m in models]).mean(0)
+    assert torch.allclose(predictor(x).exp(), expected, atol=1e-6)
+
+
+def _nan_for_client(bad: int):
+    def tamper(client: int, reply: Message) -> Message:
+        if client == bad:
+            key = member_key(0, "weights")
+            arrays = {k: v.numpy().copy() for k, v in reply.content[key].items()}
+            arrays["classifier.0.weight"][3, 3] = np.inf
+            from flwr.app import Array
+            reply.content[key] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+        return reply
+    return tamper
+
+
+def test_a_bad_client_is_excluded_and_the_run_finishes(small_settings):
+    settings = small_settings.replace(strategy="ensemble", run_name="bad")
+    results = run_server(settings, InProcessGrid(settings, tamper=_nan_for_client(1)))
+    assert results["status"] == "ok"
+    assert [c["client_id"] for c in results["clients"]] == [0, 2]
+    (excluded,) = results["excluded"]
+    assert "'classifier.0.weight' has NaN or Inf" in excluded["reason"]
+    assert results["test"]["accuracy"] > 0.2  # two skewed clients of three, 3 epochs
+
+
+def test_a_crashing_client_is_excluded(small_settings):
+    settings = small_settings.replace(strategy="ensemble", run_name="crash")
+    results = run_server(settings, InProcessGrid(settings, crash={0}))
+    assert [c["client_id"] for c in results["clients"]] == [1, 2]
+    assert "client 0 ran out of memory" in results["excluded"][0]["reason"]
+
+
+def test_multi_round_fedavg_improves(small_settings):
+    settings = small_settings.replace(num_rounds=3, run_name="multi", alpha=100.0)
+    results = run_server(settings, InProcessGrid(settings))
+    accuracies = [r["test_accuracy"] for r in results["rounds"]]
+    assert len(accuracies) == 3
+    assert accuracies[-1] > accuracies[0] and accuracies[-1] > 0.6
+
+
+def test_ensemble_refuses_more_than_one_round(small_settings):
+    settings = small_settings.replace(strategy="ensemble", num_rounds=2, run_name="x")
+    with pytest.raises(ValueError, match="one-shot: set num-rounds=1"):
+        run_server(settings, InProcessGrid(settings))
+
+
+def test_replay_reproduces_the_live_result_and_feeds_other_strategies(small_settings, tmp_path):
+    live = run_server(small_settings.replace(run_name="live"), InProcessGrid(small_settings))
+    uploads = tmp_path / "live" / "uploads"
+    replayed = run_server(small_settings.replace(replay=str(uploads), run_name="re"))
+    assert replayed["test"] == live["test"]
+    assert replayed["timing"]["client_train_s_sum"] == live["timing"]["client_train_s_sum"]
+    ensemble = run_server(small_settings.replace(replay=str(uploads), strategy="ensemble",
+                                                 run_name="re-ens"))
+    assert ensemble["test"]["accuracy"] > 0.3
+
+
+def test_replay_excludes_a_corrupted_cached_upload(small_settings, tmp_path):
+    run_server(small_settings.replace(run_name="live"), InProcessGrid(small_settings))
+    uploads = tmp_path / "live" / "uploads"
+    with np.load(uploads / "client_2.npz") as data:
+        arrays = dict(data)
+    arrays["m0/weights/features.0.weight"] = arrays["m0/weights/features.0.weight"][:3]
+    np.savez(uploads / "client_2.npz", **arrays)
+    results = run_server(small_settings.replace(replay=str(uploads), run_name="re"))
+    assert [c["client_id"] for c in results["clients"]] == [0, 1]
+    assert "features.0.weight' has shape (3, 1, 5, 5)" in results["excluded"][0]["reason"]
+
+
+def test_no_valid_upload_fails_clearly_and_keeps_results(small_settings, tmp_path):
+    settings = small_settings.replace(num_clients=3, run_name="allbad")
+    grid = InProcessGrid(settings, tamper=lambda c, r: _nan_for_client(c)(c, r))
+    with pytest.raises(RuntimeError, match="0 valid upload"):
+        run_server(settings, grid)
+    import json
+    saved = json.loads((tmp_path / "allbad" / "results.json").read_text())
+    assert saved["status"] == "failed" and "0 valid upload" in saved["error"]
+
+
+def test_mismatched_architecture_is_excluded_from_fedavg():
+    upload = make_upload(0, members=1)
+    upload.model_kwargs = {"oops": 1}
+    strategy = FedAvg(FusionContext(SPEC), 2)
+    with pytest.raises(RuntimeError, match="0 valid"):
+        strategy.fuse_uploads([upload])
+    assert "cannot be built" in strategy.exclusions[0]["reason"]
+    assert isinstance(UploadError(1, "x"), ValueError)
