@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from fedfusion.config import ConfigError, Settings
 from fedfusion.server_app import run_server

@@ -11,7 +11,8 @@ def brute_force_ece(probs: torch.Tensor, y: torch.Tensor) -> float:
     conf, pred = probs.max(1)
     for b in range(ECE_BINS):
         low, high = b / ECE_BINS, (b + 1) / ECE_BINS
-        idx = [i for i in range(len(y)) if low <= conf[i] < high or (b == ECE_BINS - 1 and conf[i] == 1)]
+        last = b == ECE_BINS - 1
+        idx = [i for i in range(len(y)) if low <= conf[i] < high or (last and conf[i] == 1)]
         if idx:
             acc = sum(float(pred[i] == y[i]) for i in idx) / len(idx)
             total += len(idx) / len(y) * abs(acc - float(conf[idx].mean()))
