@@ -49,14 +49,27 @@ class Settings:
     momentum: float = 0.9
     batch_size: int = 64
     client_threads: int = 1
+    # Laplace curvature (FedBEns and its curvature-based baselines)
+    hessian_structure: str = "kron"
+    temperature: float = 0.1
+    prior_var: float = 0.1
+    curvature_backend: str = ""
+    curvature_batch_size: int = 256
+    curvature_rank: int = 0
+    curvature_half: bool = False
     # server
     server_device: str = "auto"
     eval_batch_size: int = 2000
+    server_steps: int = 300
+    server_lr: float = 0.001
+    server_clip: float = 1.0
+    server_eval_every: int = 30
     # outputs
     output_dir: str = ""
     run_name: str = ""
     save_uploads: bool = True
     replay: str = ""
+    replay_clients: str = ""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Settings:
@@ -94,22 +107,26 @@ class Settings:
         _check_choice("partitioner", self.partitioner, PARTITIONERS)
         if self.model:
             _check_choice("model", self.model, available_models())
+        _check_choice("hessian-structure", self.hessian_structure, ("kron", "diag", "diag_full"))
         for key in ("num-rounds", "num-clients", "num-members", "batch-size", "client-threads",
-                    "eval-batch-size"):
+                    "eval-batch-size", "curvature-batch-size", "server-eval-every"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
-        for key in ("val-size", "train-subset", "local-epochs", "min-samples"):
+        for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
+                    "server-steps"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:
             raise ConfigError("run-config 'alpha' must be > 0")
-        if self.lr <= 0:
-            raise ConfigError("run-config 'lr' must be > 0")
+        for key in ("lr", "temperature", "prior-var", "server-lr", "server-clip"):
+            if getattr(self, key.replace("-", "_")) <= 0:
+                raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
             raise ConfigError("run-config 'server-device' must be 'auto', 'cpu' or 'cuda[:i]'")
         self.parsed_model_kwargs()
         self.parsed_labels_per_client()
         self.parsed_fractions()
+        self.parsed_replay_clients()
 
     def parsed_model_kwargs(self) -> dict[str, Any]:
         if not self.model_kwargs:
@@ -138,6 +155,16 @@ class Settings:
             return tuple(float(v) for v in self.fractions.split(","))
         except ValueError as exc:
             raise ConfigError("run-config 'fractions' must look like '0.5,0.3,0.2'") from exc
+
+
+    def parsed_replay_clients(self) -> tuple[int, ...] | None:
+        """Client ids to keep when replaying (``"0,2,3"``); None keeps all."""
+        if not self.replay_clients:
+            return None
+        try:
+            return tuple(int(v) for v in self.replay_clients.split(","))
+        except ValueError as exc:
+            raise ConfigError("run-config 'replay-clients' must look like '0,2,3'") from exc
 
 
 def _check_choice(key: str, value: str, choices: Any) -> None:

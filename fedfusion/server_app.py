@@ -84,6 +84,13 @@ def replay_settings(settings: Settings) -> tuple[Settings, list[ClientUpload]]:
             log.warning("replay: using %s=%r from the upload folder (run config had %r)", key,
                         produced_under[key], settings.to_mapping()[key])
             changes[key.replace("-", "_")] = produced_under[key]
+    keep = settings.parsed_replay_clients()
+    if keep is not None:
+        missing = sorted(set(keep) - {u.client_id for u in uploads})
+        if missing:
+            raise ValueError(f"replay-clients names clients {missing} absent from the uploads")
+        uploads = [u for u in uploads if u.client_id in keep]
+        log.info("replay: keeping clients %s of the cached run", list(keep))
     return settings.replace(**changes), uploads
 
 
@@ -176,6 +183,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         results["val"] = evaluate(strategy.predictor, context.val.x, context.val.y, device)
     results["clients"] = client_table(strategy.uploads)
     results["excluded"] = strategy.exclusions
+    results["strategy_report"] = strategy.report()
     train_times = [c["train_time_s"] for c in results["clients"]]
     results["timing"] = {
         "client_train_s_sum": float(np.sum(train_times)),

@@ -2,19 +2,27 @@
 
 The server's strategy names the sections it needs (``config["sections"]``); the ClientApp
 runs the registered builder of each on every trained member. Builders for curvature and
-statistics register themselves here with :func:`register_builder`.
+statistics register here with :func:`register_builder`, and their server-side validator
+with :func:`fedfusion.payload.register_section`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedfusion.config import Settings
-from fedfusion.payload import WEIGHTS, NumpyDict
+from fedfusion.curvature import (
+    DEFAULT_BACKEND,
+    STRUCTURES,
+    KronCurvature,
+    curvature_from_arrays,
+    fit_curvature,
+)
+from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
 SectionBuilder = Callable[[nn.Module, torch.Tensor, torch.Tensor, Settings], NumpyDict]
 _BUILDERS: dict[str, SectionBuilder] = {}
@@ -40,3 +48,37 @@ def build_section(section: str, model: nn.Module, x: torch.Tensor, y: torch.Tens
 def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings
                   ) -> NumpyDict:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+
+
+def curvature_section(structure: str) -> str:
+    """Upload section holding a member's Laplace curvature of ``structure``."""
+    return f"curvature.{structure}"
+
+
+def _curvature_builder(structure: str) -> SectionBuilder:
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings
+              ) -> NumpyDict:
+        curvature = fit_curvature(
+            model, x, y, structure,
+            temperature=settings.temperature, prior_var=settings.prior_var,
+            backend=settings.curvature_backend or DEFAULT_BACKEND,
+            batch_size=settings.curvature_batch_size, seed=settings.seed,
+        )
+        if isinstance(curvature, KronCurvature):
+            return curvature.to_arrays(rank=settings.curvature_rank or None,
+                                       eigvec_dtype=np.float16 if settings.curvature_half else None)
+        return curvature.to_arrays()
+    return build
+
+
+def _curvature_validator(structure: str) -> SectionValidator:
+    def validate(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
+        # The arrays hold the likelihood curvature only; temperature and prior are the
+        # server's choice, so any positive values check the structure.
+        curvature_from_arrays(structure, dict(arrays), dict(shapes), 1.0, 1.0)
+    return validate
+
+
+for _structure in STRUCTURES:
+    register_builder(curvature_section(_structure))(_curvature_builder(_structure))
+    register_section(curvature_section(_structure), _curvature_validator(_structure))

@@ -1,6 +1,6 @@
 """Flower strategies of fedfusion, importable into any Flower project.
 
->>> from fedfusion.strategies import FedAvg, UniformEnsemble
+>>> from fedfusion.strategies import FedAvg, FedBEns, UniformEnsemble
 """
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from __future__ import annotations
 from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
+from fedfusion.strategies.fedbens import FedBEns
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (FedAvg, UniformEnsemble)
+    cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns)
 }
 
 
@@ -27,6 +28,7 @@ def build_strategy(name: str, context: FusionContext, settings: object) -> Fusio
 __all__ = [
     "STRATEGIES",
     "FedAvg",
+    "FedBEns",
     "FusionContext",
     "FusionStrategy",
     "UniformEnsemble",

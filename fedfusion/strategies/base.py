@@ -81,7 +81,7 @@ class FusionStrategy(Strategy, ABC):
 
     name: ClassVar[str]
     #: sections every client must upload (the server asks for them in the train config)
-    required_sections: ClassVar[tuple[str, ...]] = (WEIGHTS,)
+    required_sections: tuple[str, ...] = (WEIGHTS,)
     #: True where fusing twice makes no sense (ensembles): the server refuses num-rounds > 1
     one_shot_only: ClassVar[bool] = True
     #: True where all clients must share the broadcast architecture
@@ -151,6 +151,10 @@ class FusionStrategy(Strategy, ABC):
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
                     reason)
         self.exclusions.append({"round": server_round, "client": str(client), "reason": reason})
+
+    def report(self) -> dict[str, Any]:
+        """Strategy-specific diagnostics saved in results.json (e.g. optimisation traces)."""
+        return {}
 
     # ------------------------------------------------------- Flower Message API
     def configure_train(

@@ -1,0 +1,63 @@
+"""Laplace curvature of one-shot FL members and the FedBEns mixture objective.
+
+Client side: :func:`fit_curvature` fits laplace-torch to a trained member and returns one
+:class:`Curvature` per structure (``kron``: :class:`KronCurvature`, ``diag``:
+:class:`DiagCurvature`, ``diag_full``: :class:`DiagFullCurvature`), serialisable with
+``to_arrays`` / ``from_arrays``. Server side: :class:`StackedGaussians` evaluates the exact
+Gaussian log-densities of all members at R candidate points at once and
+:func:`mixture_log_posterior` the FedBEns objective (Eq. 5).
+"""
+
+from fedfusion.curvature.base import Curvature
+from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature
+from fedfusion.curvature.fit import (
+    BACKENDS,
+    CURVATURE_CLASSES,
+    DEFAULT_BACKEND,
+    STRUCTURES,
+    fit_curvature,
+    fit_laplace,
+)
+from fedfusion.curvature.kron import KronCurvature
+from fedfusion.curvature.mixture import (
+    StackedDiag,
+    StackedDiagFull,
+    StackedGaussians,
+    StackedKron,
+    log_prior,
+    mixture_log_posterior,
+)
+
+
+def curvature_from_arrays(
+    structure: str,
+    arrays: dict,
+    param_shapes: dict,
+    temperature: float,
+    prior_var: float,
+) -> Curvature:
+    """Rebuild a curvature of the named ``structure`` (dispatch to ``<cls>.from_arrays``)."""
+    if structure not in CURVATURE_CLASSES:
+        raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
+    return CURVATURE_CLASSES[structure].from_arrays(arrays, param_shapes, temperature, prior_var)
+
+
+__all__ = [
+    "BACKENDS",
+    "CURVATURE_CLASSES",
+    "DEFAULT_BACKEND",
+    "STRUCTURES",
+    "Curvature",
+    "DiagCurvature",
+    "DiagFullCurvature",
+    "KronCurvature",
+    "StackedDiag",
+    "StackedDiagFull",
+    "StackedGaussians",
+    "StackedKron",
+    "curvature_from_arrays",
+    "fit_curvature",
+    "fit_laplace",
+    "log_prior",
+    "mixture_log_posterior",
+]

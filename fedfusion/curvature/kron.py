@@ -1,0 +1,248 @@
+"""Kronecker-factored (K-FAC) curvature, stored as eigendecompositions of the two factors.
+
+Every parameter ``W`` is viewed as a matrix ``[out, in']``: a linear weight ``[out, in]`` as is,
+a convolution weight ``[out, in, k, k]`` as ``[out, in * k * k]`` (row-major, i.e.
+``W.reshape(out, -1)``), and a 1-D parameter (a bias) ``[n]`` as ``[1, n]``. Its block of the
+GGN, in the row-major ordering ``vec(W) = W.flatten()``, is
+
+    H_W ~= B (x) A,
+
+with ``B`` the ``[out, out]`` factor of back-propagated output gradients and ``A`` the
+``[in', in']`` factor of layer inputs. This is laplace-torch's ``Kron`` layout (``kfacs[l] ==
+[B, A]``, ``Kron.to_matrix() == kron(B, A)``), verified against a dense GGN in the tests. Its
+scaling is the one of a sum over the client's ``N`` samples: laplace-torch's backends return
+``B = sum_n g_n g_n^T`` and ``A = (1/N) sum_n a_n a_n^T`` (``Kron`` factors are summed over
+batches after multiplying ``A`` by ``batch / N``), so for ``N`` copies of one input ``B (x) A``
+equals the exact GGN summed over the ``N`` samples. For a 1-D parameter the single dense block
+``F`` of laplace-torch becomes ``A = F`` with the trivial output factor ``B = [[1]]``.
+
+With ``B = Q_B diag(l_B) Q_B^T`` and ``A = Q_A diag(l_A) Q_A^T`` the posterior precision block is
+
+    Lambda_W = (Q_B (x) Q_A) diag(vec(outer(l_B, l_A) / T + 1/sigma2)) (Q_B (x) Q_A)^T,
+
+exactly laplace-torch's ``KronDecomposed`` ``H * (1/T) + prior_precision`` (it multiplies each
+factor's eigenvalues by ``(1/T)^{1/2}``, which gives the same product). So
+
+    log det Lambda_W = sum_{o,i} log(l_B[o] l_A[i] / T + 1/sigma2)
+    (w - m)^T Lambda_W (w - m) = sum_{o,i} S[o,i]^2 (l_B[o] l_A[i] / T + 1/sigma2),
+    S = Q_B^T (W - M) Q_A.
+
+Low-rank / half-precision storage (:meth:`KronCurvature.to_arrays`): ``rank=r`` keeps only the
+``r`` largest eigenpairs of each factor, i.e. ``B`` is replaced by ``Q_B,r diag(l_B,r) Q_B,r^T``
+(the dropped eigenvalues are set to 0). The precision is then
+
+    Lambda_W = (1/sigma2) I + (Q_B,r (x) Q_A,r) diag(vec(outer(l_B,r, l_A,r) / T))
+                                                 (Q_B,r (x) Q_A,r)^T,
+
+still exact to evaluate in the truncated eigenbasis (quad = ||W - M||^2 / sigma2 + sum S_r^2 *
+outer / T, logdet adds ``(out * in' - r_B r_A) log(1/sigma2)``) and cheaper. ``eigvec_dtype=
+np.float16`` stores the eigenvectors (entries in [-1, 1]) in half precision; eigenvalues stay in
+their dtype, as GGN eigenvalues can exceed float16's range. :meth:`from_arrays` upcasts half
+precision eigenvectors to float32 and re-orthonormalises them (QR), so that the log-determinant
+and the quadratic form describe the same matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from fedfusion.curvature.base import (
+    Curvature,
+    ParamShapes,
+    as_tensor,
+    check_unexpected,
+    clip_nonnegative,
+    get_array,
+    to_numpy,
+)
+
+FACTOR_KEYS = ("eigvals_out", "eigvecs_out", "eigvals_in", "eigvecs_in")
+_HALF_DTYPES = (np.float16,)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(out, in')`` of the matrix view of a parameter of ``shape``."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class KronFactors:
+    """Eigendecomposition of one layer's Kronecker factors ``B = Q_B diag(l_B) Q_B^T`` (output
+    side, ``[out, out]``) and ``A = Q_A diag(l_A) Q_A^T`` (input side, ``[in', in']``), possibly
+    truncated to ``r_B`` / ``r_A`` columns."""
+
+    eigvals_out: torch.Tensor  # [r_B]
+    eigvecs_out: torch.Tensor  # [out, r_B]
+    eigvals_in: torch.Tensor  # [r_A]
+    eigvecs_in: torch.Tensor  # [in', r_A]
+
+    @property
+    def full_rank(self) -> bool:
+        return (
+            self.eigvecs_out.shape[0] == self.eigvecs_out.shape[1]
+            and self.eigvecs_in.shape[0] == self.eigvecs_in.shape[1]
+        )
+
+    def likelihood_eigvals(self, temperature: float) -> torch.Tensor:
+        """``outer(l_B, l_A) / T``, ``[r_B, r_A]``: eigenvalues of ``(B (x) A) / T``."""
+        return torch.outer(self.eigvals_out, self.eigvals_in) / temperature
+
+    def truncated(self, rank: int) -> KronFactors:
+        """Keep the ``rank`` largest eigenpairs of each factor (eigh sorts ascending)."""
+
+        def top(vals: torch.Tensor, vecs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            order = torch.argsort(vals, descending=True)[:rank]
+            order = order.sort().values  # keep ascending order, as eigh returns
+            return vals[order], vecs[:, order]
+
+        vo, qo = top(self.eigvals_out, self.eigvecs_out)
+        vi, qi = top(self.eigvals_in, self.eigvecs_in)
+        return KronFactors(vo, qo, vi, qi)
+
+
+def _orthonormalise(q: torch.Tensor) -> torch.Tensor:
+    """Closest-sign orthonormal basis of the span of ``q``'s columns (QR, signs of R's diagonal
+    made positive so that columns stay close to the input)."""
+    qq, r = torch.linalg.qr(q)
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1
+    return qq * signs
+
+
+def _check_orthonormal(key: str, q: torch.Tensor, probes: int = 4) -> None:
+    """Reject ``q`` unless ``Q^T Q = I`` (checked on random probe vectors: ``O(n r)`` instead of
+    the ``O(n r^2)`` Gram matrix, which matters for 1600 x 1600 factors)."""
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(q.shape[1], probes, generator=gen, dtype=torch.float64)
+    qd = q.double()
+    err = ((qd.T @ (qd @ v) - v).norm(dim=0) / v.norm(dim=0)).max().item()
+    tol = 1e-3 if q.dtype == torch.float32 else 1e-8
+    if not err <= tol:
+        raise ValueError(f"array {key!r} is not orthonormal (relative |Q^T Q v - v| = {err:.2e})")
+
+
+class KronCurvature(Curvature):
+    """Per-layer K-FAC curvature ``H_W = B (x) A``, kept as eigendecompositions of ``B``, ``A``.
+
+    ``Lambda_W = (Q_B (x) Q_A) diag(outer(l_B, l_A) / T + 1/sigma2) (Q_B (x) Q_A)^T``; layers
+    are independent (block diagonal ``Lambda``).
+    """
+
+    structure: ClassVar[str] = "kron"
+
+    def __init__(
+        self,
+        factors: Mapping[str, KronFactors],
+        param_shapes: ParamShapes,
+        temperature: float,
+        prior_var: float,
+    ) -> None:
+        super().__init__(param_shapes, temperature, prior_var)
+        missing = [name for name in self.param_shapes if name not in factors]
+        if missing:
+            raise ValueError(f"missing Kronecker factors for parameters {missing}")
+        self.factors: dict[str, KronFactors] = {name: factors[name] for name in self.param_shapes}
+
+    @classmethod
+    def from_kron_matrices(
+        cls,
+        matrices: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        param_shapes: ParamShapes,
+        temperature: float,
+        prior_var: float,
+    ) -> KronCurvature:
+        """From dense factors ``{name: (B, A)}``: eigendecomposed in float64, stored in the
+        factors' dtype, round-off negatives clipped (via :meth:`from_arrays`' validation)."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, (b, a) in matrices.items():
+            for side, mat in (("out", b), ("in", a)):
+                vals, vecs = torch.linalg.eigh(mat.detach().double())
+                arrays[f"{name}/eigvals_{side}"] = to_numpy(vals.to(mat.dtype))
+                arrays[f"{name}/eigvecs_{side}"] = to_numpy(vecs.to(mat.dtype))
+        return cls.from_arrays(arrays, param_shapes, temperature, prior_var)
+
+    def to_arrays(
+        self, *, rank: int | None = None, eigvec_dtype: type[np.floating] | None = None
+    ) -> dict[str, np.ndarray]:
+        """``"<param>/eigvals_out"``, ``"/eigvecs_out"``, ``"/eigvals_in"``, ``"/eigvecs_in"``
+        per parameter. ``rank`` keeps the ``rank`` largest eigenpairs of each factor;
+        ``eigvec_dtype`` (e.g. ``np.float16``) casts the eigenvectors only. Both are lossy;
+        the defaults round-trip bit-exactly."""
+        if rank is not None and rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        arrays: dict[str, np.ndarray] = {}
+        for name, fac in self.factors.items():
+            if rank is not None:
+                fac = fac.truncated(rank)
+            for key in FACTOR_KEYS:
+                arr = to_numpy(getattr(fac, key))
+                if eigvec_dtype is not None and key.startswith("eigvecs"):
+                    arr = arr.astype(eigvec_dtype)
+                arrays[f"{name}/{key}"] = arr
+        return arrays
+
+    @classmethod
+    def from_arrays(
+        cls,
+        arrays: Mapping[str, np.ndarray],
+        param_shapes: ParamShapes,
+        temperature: float,
+        prior_var: float,
+    ) -> KronCurvature:
+        factors: dict[str, KronFactors] = {}
+        expected: set[str] = set()
+        for name, shape in param_shapes.items():
+            out_dim, in_dim = matrix_shape(tuple(shape))
+            tensors: dict[str, torch.Tensor] = {}
+            for side, dim in (("out", out_dim), ("in", in_dim)):
+                vec_key, val_key = f"{name}/eigvecs_{side}", f"{name}/eigvals_{side}"
+                expected |= {vec_key, val_key}
+                vecs = get_array(arrays, vec_key)
+                if vecs.ndim != 2 or vecs.shape[0] != dim or not 1 <= vecs.shape[1] <= dim:
+                    raise ValueError(
+                        f"array {vec_key!r} has shape {vecs.shape}, expected ({dim}, r) with "
+                        f"1 <= r <= {dim} for parameter of shape {tuple(shape)}"
+                    )
+                rank = vecs.shape[1]
+                vals = clip_nonnegative(val_key, get_array(arrays, val_key, (rank,)))
+                q = as_tensor(vecs)
+                if vecs.dtype in _HALF_DTYPES:
+                    q = _orthonormalise(q)
+                else:
+                    _check_orthonormal(vec_key, q)
+                tensors[f"eigvals_{side}"] = as_tensor(vals).to(q.dtype)
+                tensors[f"eigvecs_{side}"] = q
+            factors[name] = KronFactors(**tensors)
+        check_unexpected(arrays, expected)
+        return cls(factors, param_shapes, temperature, prior_var)
+
+    def layer_logdet(self, name: str) -> float:
+        """``log det Lambda_W``: ``sum log(outer(l_B, l_A)/T + delta)`` over the kept
+        eigenpairs, plus ``log(delta)`` for every direction a truncation dropped."""
+        fac = self.factors[name]
+        eig = fac.likelihood_eigvals(self.temperature).double() + self.prior_precision
+        out_dim, in_dim = matrix_shape(self.param_shapes[name])
+        dropped = out_dim * in_dim - eig.numel()
+        return float(torch.log(eig).sum()) + dropped * math.log(self.prior_precision)
+
+    def precision_logdet(self) -> float:
+        return sum(self.layer_logdet(name) for name in self.param_shapes)
+
+    def dense_precision(self) -> torch.Tensor:
+        blocks = []
+        for fac in self.factors.values():
+            q = torch.kron(fac.eigvecs_out.double(), fac.eigvecs_in.double())
+            eig = fac.likelihood_eigvals(self.temperature).double().flatten()
+            eye = torch.eye(q.shape[0], dtype=torch.float64)
+            blocks.append(q @ torch.diag(eig) @ q.T + self.prior_precision * eye)
+        return torch.block_diag(*blocks)

@@ -1,0 +1,388 @@
+"""Curvature structures and their batched Gaussian log-densities (float64, tiny bias-free MLP)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributions import MultivariateNormal
+
+from fedfusion.curvature import (
+    DiagCurvature,
+    DiagFullCurvature,
+    KronCurvature,
+    StackedGaussians,
+    curvature_from_arrays,
+    fit_curvature,
+    mixture_log_posterior,
+)
+from fedfusion.curvature.fit import fit_laplace, kron_from_laplace
+from fedfusion.models import build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+INPUT, CLASSES, HIDDEN = (1, 6, 6), 4, 8  # 36*8 + 8*4 = 320 parameters
+T, SIGMA2 = 0.1, 0.1
+STRUCTURES = ("kron", "diag", "diag_full")
+EXACT = "curvlinops_ggn"
+
+
+def make_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model("mlp", INPUT, CLASSES, hidden_layers=1, hidden=HIDDEN).double()
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 40) -> nn.Module:
+    """A few full-batch Adam steps, so the members sit near (different) MAPs."""
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params.values()])
+
+
+def dense_ggn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Exact GGN of the summed cross-entropy: sum_n J_n^T (diag p_n - p_n p_n^T) J_n."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    jac = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+    js = torch.cat([jac[n].reshape(x.shape[0], CLASSES, -1) for n in params], dim=2)
+    prob = model(x).detach().softmax(-1)
+    hess = torch.diag_embed(prob) - prob[:, :, None] * prob[:, None, :]
+    return torch.einsum("bcp,bck,bkq->pq", js, hess, js)
+
+
+def points(model: nn.Module, num: int, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: p.detach()[None] + scale * torch.randn(num, *p.shape, generator=gen, dtype=p.dtype)
+        for n, p in model.named_parameters()
+    }
+
+
+def mvn_log_prob(mean: torch.Tensor, curv, w_flat: torch.Tensor) -> torch.Tensor:
+    return MultivariateNormal(mean, precision_matrix=curv.dense_precision()).log_prob(w_flat)
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, *INPUT, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (200,), generator=gen)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def members(data) -> list[nn.Module]:
+    x, y = data
+    return [train(make_mlp(seed), x, y) for seed in range(4)]
+
+
+@pytest.fixture(scope="module")
+def curvatures(members, data) -> dict[str, list]:
+    """For every structure, the exact-GGN curvature of each of the 4 members."""
+    x, y = data
+    return {
+        s: [
+            fit_curvature(m, x, y, s, temperature=T, prior_var=SIGMA2, backend=EXACT)
+            for m in members
+        ]
+        for s in STRUCTURES
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# laplace-torch conventions
+
+
+def test_kron_factors_order_and_scaling_match_dense_ggn() -> None:
+    """For N copies of one input K-FAC is exact: B (x) A == GGN block, summed over N."""
+    model = make_mlp(1)
+    x = torch.randn(1, *INPUT, dtype=torch.float64).repeat(7, 1, 1, 1)
+    y = torch.randint(0, CLASSES, (7,))
+    ggn = dense_ggn(model, x)
+    sizes = [p.numel() for p in model.parameters()]
+    starts = np.cumsum([0, *sizes])
+    blocks = torch.block_diag(
+        *[ggn[a:b, a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    )
+    expected = blocks / T + torch.eye(sum(sizes), dtype=torch.float64) / SIGMA2
+    for backend in ("curvlinops_ggn", "asdl_ggn"):
+        curv = fit_curvature(model, x, y, "kron", temperature=T, prior_var=SIGMA2, backend=backend)
+        torch.testing.assert_close(curv.dense_precision(), expected, rtol=1e-9, atol=1e-9)
+        # output factor first: eigvecs_out is [out, out], eigvecs_in is [in, in]
+        fac = curv.factors["net.1.weight"]
+        assert fac.eigvecs_out.shape == (HIDDEN, HIDDEN)
+        assert fac.eigvecs_in.shape == (36, 36)
+
+
+def test_kron_matches_laplace_torch_precision_and_log_prob(members, data) -> None:
+    x, y = data
+    model = members[0]
+    la = fit_laplace(model, x, y, "kron", temperature=T, prior_var=SIGMA2, backend=EXACT)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    curv = kron_from_laplace(la, shapes, T, SIGMA2)
+    dense = la.posterior_precision.to_matrix()
+    torch.testing.assert_close(curv.dense_precision(), dense, rtol=1e-9, atol=1e-8)
+    assert curv.precision_logdet() == pytest.approx(float(la.log_det_posterior_precision), 1e-10)
+
+    stacked = StackedGaussians.from_members([dict(model.named_parameters())], [curv], "cpu")
+    w = points(model, 5, 0.05, seed=1)
+    ours = stacked.log_density(w)[:, 0]
+    w_flat = torch.cat([v.reshape(5, -1) for v in w.values()], dim=1)
+    theirs = torch.stack([la.log_prob(v, normalized=True) for v in w_flat])
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-8)
+    # normalized=False is only the quadratic part: the difference is the normaliser
+    quad_only = torch.stack([la.log_prob(v, normalized=False) for v in w_flat])
+    normaliser = 0.5 * curv.precision_logdet() - 0.5 * w_flat.shape[1] * math.log(2 * math.pi)
+    torch.testing.assert_close(ours - quad_only, torch.full_like(ours, normaliser))
+
+
+def test_diag_and_diag_full_are_the_exact_ggn(members, data, curvatures) -> None:
+    x, _ = data
+    model = members[0]
+    ggn = dense_ggn(model, x)
+    delta = torch.eye(ggn.shape[0], dtype=torch.float64) / SIGMA2
+    diag = curvatures["diag"][0]
+    torch.testing.assert_close(diag.dense_precision(), torch.diag(ggn.diagonal()) / T + delta)
+    n_last = CLASSES * HIDDEN
+    expected = torch.diag(ggn.diagonal())
+    expected[-n_last:, -n_last:] = ggn[-n_last:, -n_last:]
+    full = curvatures["diag_full"][0]
+    assert full.last_names == ["net.3.weight"]
+    torch.testing.assert_close(full.dense_precision(), expected / T + delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# batched log-densities
+
+
+def _check_against_mvn(members, curvs, num_points: int = 6) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvs, "cpu")
+    w = points(members[0], num_points, 0.05, seed=2)
+    w_flat = torch.cat([v.reshape(num_points, -1) for v in w.values()], dim=1)
+    ours = stacked.log_density(w)
+    ref = torch.stack(
+        [mvn_log_prob(flat(mean), c, w_flat) for mean, c in zip(means, curvs, strict=True)], 1
+    )
+    assert ours.shape == (num_points, len(members))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_log_density_matches_multivariate_normal(structure, members, curvatures) -> None:
+    _check_against_mvn(members, curvatures[structure])
+
+
+def test_log_density_default_backend_and_truncated_kron(members, data) -> None:
+    x, y = data
+    curvs = [fit_curvature(m, x, y, "kron") for m in members[:2]]  # default (MC) backend
+    _check_against_mvn(members[:2], curvs)
+    # rank-3 factors: the truncated precision is evaluated exactly as well
+    shapes = curvs[0].param_shapes
+    low = [KronCurvature.from_arrays(c.to_arrays(rank=3), shapes, T, SIGMA2) for c in curvs]
+    assert low[0].factors["net.1.weight"].eigvecs_in.shape == (36, 3)
+    _check_against_mvn(members[:2], low)
+
+
+def test_half_precision_eigenvectors_stay_close(members, curvatures) -> None:
+    curv = curvatures["kron"][0]
+    arrays = curv.to_arrays(eigvec_dtype=np.float16)
+    assert arrays["net.1.weight/eigvecs_in"].dtype == np.float16
+    assert arrays["net.1.weight/eigvals_in"].dtype == np.float64
+    half = KronCurvature.from_arrays(arrays, curv.param_shapes, T, SIGMA2)
+    q = half.factors["net.1.weight"].eigvecs_in
+    torch.testing.assert_close(q.T @ q, torch.eye(36, dtype=q.dtype), atol=1e-5, rtol=0)
+    means = [dict(members[0].named_parameters())]
+    w = points(members[0], 4, 0.05, seed=3)
+    exact = StackedGaussians.from_members(means, [curv], "cpu").log_density(w)
+    approx = StackedGaussians.from_members(means, [half], "cpu").log_density(w)
+    torch.testing.assert_close(approx, exact, rtol=1e-2, atol=0)
+
+
+def test_chunked_evaluation_equals_unchunked(members, curvatures) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    w = points(members[0], 3, 0.05, seed=4)
+    for structure in STRUCTURES:
+        whole = StackedGaussians.from_members(means, curvatures[structure], "cpu")
+        tiny = StackedGaussians.from_members(means, curvatures[structure], "cpu", max_chunk_bytes=1)
+        torch.testing.assert_close(tiny.log_density(w), whole.log_density(w), rtol=1e-12, atol=0)
+
+
+def test_float32_stack_is_close_to_float64(members, curvatures) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    w = points(members[0], 3, 0.05, seed=5)
+    for structure in STRUCTURES:
+        ref = StackedGaussians.from_members(means, curvatures[structure], "cpu").log_density(w)
+        st32 = StackedGaussians.from_members(
+            means, curvatures[structure], "cpu", dtype=torch.float32
+        )
+        out = st32.log_density({n: v.float() for n, v in w.items()})
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# serialisation
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_arrays_round_trip_bit_exact(structure, curvatures) -> None:
+    curv = curvatures[structure][0]
+    arrays = curv.to_arrays()
+    again = curvature_from_arrays(structure, arrays, curv.param_shapes, T, SIGMA2).to_arrays()
+    assert arrays.keys() == again.keys()
+    for key, value in arrays.items():
+        assert value.dtype == again[key].dtype and value.shape == again[key].shape
+        assert np.array_equal(value, again[key]), key
+    rebuilt = type(curv).from_arrays(arrays, curv.param_shapes, T, SIGMA2)
+    assert rebuilt.precision_logdet() == curv.precision_logdet()
+
+
+@pytest.mark.parametrize(
+    ("structure", "key"),
+    [
+        ("kron", "net.1.weight/eigvals_in"),
+        ("kron", "net.3.weight/eigvecs_out"),
+        ("diag", "net.3.weight/ggn_diag"),
+        ("diag_full", "net.1.weight/ggn_diag"),
+        ("diag_full", "net.3.weight/ggn_full"),
+    ],
+)
+def test_from_arrays_rejects_bad_arrays(structure, key, curvatures) -> None:
+    curv = curvatures[structure][0]
+    cls = type(curv)
+    good = curv.to_arrays()
+
+    bad = dict(good)
+    bad[key] = good[key].copy()
+    bad[key].flat[0] = np.nan
+    with pytest.raises(ValueError, match=rf"{key}.*non-finite"):
+        cls.from_arrays(bad, curv.param_shapes, T, SIGMA2)
+
+    bad = dict(good)
+    bad[key] = good[key][:-1]
+    with pytest.raises(ValueError, match=rf"{key}.*shape"):
+        cls.from_arrays(bad, curv.param_shapes, T, SIGMA2)
+
+    bad = {k: v for k, v in good.items() if k != key}
+    with pytest.raises(ValueError, match=rf"missing array '{key}'"):
+        cls.from_arrays(bad, curv.param_shapes, T, SIGMA2)
+
+    bad = dict(good)
+    bad["net.9.weight/ggn_diag"] = good[key]
+    with pytest.raises(ValueError, match="unexpected arrays"):
+        cls.from_arrays(bad, curv.param_shapes, T, SIGMA2)
+
+
+def test_negative_eigenvalues_clipped_or_rejected(curvatures) -> None:
+    curv = curvatures["kron"][0]
+    key = "net.1.weight/eigvals_in"
+    arrays = curv.to_arrays()
+    vals = arrays[key].copy()
+    scale = np.abs(vals).max()
+    vals[0] = -1e-8 * scale  # eigh round-off: clipped to 0
+    tiny = KronCurvature.from_arrays({**arrays, key: vals}, curv.param_shapes, T, SIGMA2)
+    assert tiny.factors["net.1.weight"].eigvals_in.min() == 0
+    vals[0] = -1e-3 * scale
+    with pytest.raises(ValueError, match=rf"{key}.*negative"):
+        KronCurvature.from_arrays({**arrays, key: vals}, curv.param_shapes, T, SIGMA2)
+
+    diag = curvatures["diag"][0].to_arrays()
+    diag["net.3.weight/ggn_diag"] = -diag["net.3.weight/ggn_diag"] - 1.0
+    with pytest.raises(ValueError, match="net.3.weight/ggn_diag.*negative"):
+        DiagCurvature.from_arrays(diag, curvatures["diag"][0].param_shapes, T, SIGMA2)
+
+    full = curvatures["diag_full"][0].to_arrays()
+    block = full["net.3.weight/ggn_full"]
+    full["net.3.weight/ggn_full"] = block - 2 * np.abs(block).max() * np.eye(block.shape[0])
+    with pytest.raises(ValueError, match="ggn_full.*positive semi-definite"):
+        DiagFullCurvature.from_arrays(full, curvatures["diag_full"][0].param_shapes, T, SIGMA2)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixture objective (Eq. 5)
+
+
+def brute_force_objective(
+    w_flat, means, curvs, clients: list[list[int]], prior_var
+) -> torch.Tensor:
+    total = torch.zeros(w_flat.shape[0], dtype=torch.float64)
+    for members in clients:
+        logs = torch.stack(
+            [math.log(1 / len(members)) + mvn_log_prob(means[k], curvs[k], w_flat) for k in members]
+        )
+        total = total + torch.logsumexp(logs, dim=0)
+    d = w_flat.shape[1]
+    prior = MultivariateNormal(
+        torch.zeros(d, dtype=torch.float64), prior_var * torch.eye(d, dtype=torch.float64)
+    )
+    return total - (len(clients) - 1) * prior.log_prob(w_flat)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_mixture_log_posterior_matches_brute_force(structure, members, curvatures) -> None:
+    curvs = curvatures[structure]
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvs, "cpu")
+    client_of_component = torch.tensor([0, 1, 1, 1])  # M_c = (1, 3)
+    w = points(members[1], 4, 0.03, seed=6)
+    w_flat = torch.cat([v.reshape(4, -1) for v in w.values()], dim=1)
+    ours = mixture_log_posterior(w, stacked, client_of_component, 2, SIGMA2)
+    ref = brute_force_objective(w_flat, [flat(m) for m in means], curvs, [[0], [1, 2, 3]], SIGMA2)
+    assert ours.shape == (4,)
+    torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-7)
+
+
+def test_mixture_gradient_matches_finite_differences(members, curvatures) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures["kron"], "cpu")
+    client_of_component = torch.tensor([0, 1, 1, 1])
+    w = {n: v.requires_grad_(True) for n, v in points(members[2], 2, 0.03, seed=7).items()}
+    mixture_log_posterior(w, stacked, client_of_component, 2, SIGMA2).sum().backward()
+    eps = 1e-6
+    for name, index in [("net.1.weight", (0, 3, 5)), ("net.3.weight", (1, 2, 7))]:
+        plus = {n: v.detach().clone() for n, v in w.items()}
+        minus = {n: v.detach().clone() for n, v in w.items()}
+        plus[name][index] += eps
+        minus[name][index] -= eps
+        f_plus = mixture_log_posterior(plus, stacked, client_of_component, 2, SIGMA2).sum()
+        f_minus = mixture_log_posterior(minus, stacked, client_of_component, 2, SIGMA2).sum()
+        numeric = (f_plus - f_minus) / (2 * eps)
+        assert w[name].grad[index].item() == pytest.approx(numeric.item(), rel=1e-5, abs=1e-5)
+
+
+def test_mixture_rejects_client_without_component(members, curvatures) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures["diag"], "cpu")
+    w = points(members[0], 1, 0.01, seed=8)
+    with pytest.raises(ValueError, match=r"clients \[2\] have no component"):
+        mixture_log_posterior(w, stacked, torch.tensor([0, 1, 1, 1]), 3, SIGMA2)
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting
+
+
+def test_fit_leaves_model_untouched_and_mc_fit_is_seeded(members, data) -> None:
+    x, y = data
+    model = members[3]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    first = fit_curvature(model, x, y, "kron", seed=3)
+    second = fit_curvature(model, x, y, "kron", seed=3)
+    other = fit_curvature(model, x, y, "kron", seed=4)
+    for key, value in first.to_arrays().items():
+        assert np.array_equal(value, second.to_arrays()[key]), key
+    assert first.precision_logdet() != other.precision_logdet()
+    assert model.training  # laplace-torch's .eval() acted on a copy
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    assert not hasattr(model, "output_size")
