@@ -64,12 +64,14 @@ class Settings:
     server_lr: float = 0.001
     server_clip: float = 1.0
     server_eval_every: int = 30
+    server_validation: bool = True
     # outputs
     output_dir: str = ""
     run_name: str = ""
     save_uploads: bool = True
     replay: str = ""
     replay_clients: str = ""
+    replay_members: int = 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Settings:
@@ -113,7 +115,7 @@ class Settings:
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
-                    "server-steps"):
+                    "server-steps", "replay-members"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:

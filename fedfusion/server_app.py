@@ -91,6 +91,10 @@ def replay_settings(settings: Settings) -> tuple[Settings, list[ClientUpload]]:
             raise ValueError(f"replay-clients names clients {missing} absent from the uploads")
         uploads = [u for u in uploads if u.client_id in keep]
         log.info("replay: keeping clients %s of the cached run", list(keep))
+    if settings.replay_members:
+        for upload in uploads:
+            upload.members = upload.members[: settings.replay_members]
+        log.info("replay: keeping each client's first %d member(s)", settings.replay_members)
     return settings.replace(**changes), uploads
 
 
@@ -138,8 +142,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     device = resolve_device(settings.server_device)
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
-    context = FusionContext(spec, device, val=bundle.val if len(bundle.val) else None,
-                            seed=settings.seed)
+    use_val = settings.server_validation and len(bundle.val) > 0
+    context = FusionContext(spec, device, val=bundle.val if use_val else None, seed=settings.seed)
     strategy = build_strategy(settings.strategy, context, settings)
     if strategy.one_shot_only and settings.num_rounds > 1:
         raise ConfigError(f"strategy {settings.strategy!r} is one-shot: set num-rounds=1")
@@ -181,6 +185,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     results["test"] = {k.removeprefix("test_"): v for k, v in rounds[-1].items() if k != "round"}
     if context.val is not None:
         results["val"] = evaluate(strategy.predictor, context.val.x, context.val.y, device)
+    results["num_members"] = [u.num_members for u in strategy.uploads]
     results["clients"] = client_table(strategy.uploads)
     results["excluded"] = strategy.exclusions
     results["strategy_report"] = strategy.report()
