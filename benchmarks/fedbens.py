@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, live_run
 
 from fedfusion.config import Settings  # noqa: E402
-from fedfusion.launch import launch  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 
 PAPER_TABLE1 = {0.05: 59.89, 0.1: 75.91, 0.2: 79.03, 0.4: 84.42}
@@ -41,10 +37,9 @@ def main() -> None:
         for alpha in (float(a) for a in args.alphas.split(",")):
             name = f"a{alpha:g}-s{seed}-{args.structure}"
             start = time.perf_counter()
-            live = launch(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
-                          f"num-members={args.members} local-epochs={args.epochs} "
-                          f"hessian-structure={args.structure} output-dir='{args.out}' "
-                          f"run-name={name}")
+            live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
+                            f"num-members={args.members} local-epochs={args.epochs} "
+                            f"hessian-structure={args.structure}", args.out, name)
             row = {"alpha": alpha, "seed": seed, "structure": args.structure,
                    "wall_s": time.perf_counter() - start,
                    "fedbens_val": live["test"]["accuracy"], "fedbens_val_nll": live["test"]["nll"],

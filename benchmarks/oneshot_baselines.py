@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, live_run
 
 from fedfusion.config import Settings  # noqa: E402
-from fedfusion.launch import launch  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 
 
@@ -35,8 +31,8 @@ def main() -> None:
     for alpha in (float(a) for a in args.alphas.split(",")):
         name = f"a{alpha:g}-s{args.seed}"
         start = time.perf_counter()
-        live = launch(f"strategy=fedavg alpha={alpha} seed={args.seed} num-clients=5 "
-                      f"local-epochs={args.epochs} output-dir='{args.out}' run-name={name}")
+        live = live_run(f"strategy=fedavg alpha={alpha} seed={args.seed} num-clients=5 "
+                        f"local-epochs={args.epochs}", args.out, name)
         wall = time.perf_counter() - start
         ensemble = run_server(Settings(strategy="ensemble", output_dir=args.out,
                                        run_name=f"{name}-ensemble",

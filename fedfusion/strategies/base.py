@@ -123,9 +123,11 @@ class FusionStrategy(Strategy, ABC):
 
     def _fuse_valid(self, uploads: list[ClientUpload], server_round: int) -> nn.Module:
         if len(uploads) < self.min_valid_uploads:
+            reasons = sorted({e["reason"][:300] for e in self.exclusions})
             raise RuntimeError(
                 f"round {server_round}: {len(uploads)} valid upload(s), need at least "
-                f"{self.min_valid_uploads}; exclusions: {self.exclusions}"
+                f"{self.min_valid_uploads}; {len(self.exclusions)} excluded, because: "
+                + " | ".join(reasons)
             )
         uploads = sorted(uploads, key=lambda u: u.client_id)
         self.uploads = uploads

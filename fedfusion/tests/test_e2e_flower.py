@@ -66,3 +66,23 @@ def test_fedavg_replay_equals_the_live_run(live, tmp_path):
 def test_a_failed_run_is_reported_as_failed(tmp_path):
     with pytest.raises(RuntimeError, match="failed|no .*results.json"):
         launch(f"{COMMON} strategy=ensemble num-rounds=2 output-dir='{tmp_path}' run-name=bad")
+
+
+def test_fedbens_through_flwr_run_and_its_uploads_feed_the_baselines(tmp_path):
+    """FedBEns live (C=3, M=2, Kron): floor 60%; its replay equals the live run, and the
+    same uploads (weights + Kron factors) replay into FedAvg and the ensemble."""
+    live = launch(f"{COMMON} strategy=fedbens num-members=2 server-steps=60 "
+                  f"output-dir='{tmp_path}' run-name=fedbens")
+    assert live["test"]["accuracy"] >= 0.60
+    assert all(c["num_members"] == 2 for c in live["clients"])
+    uploads = tmp_path / "fedbens" / "uploads"
+    for strategy, floor in (("fedbens", None), ("ensemble", 0.55), ("fedavg", 0.2)):
+        subprocess.run([sys.executable, "-m", "fedfusion.replay", str(uploads), "--strategy",
+                        strategy, "--run-config",
+                        f"server-steps=60 output-dir='{tmp_path}' run-name=r-{strategy}"],
+                       check=True, cwd=REPO)
+        replayed = json.loads((tmp_path / f"r-{strategy}" / "results.json").read_text())
+        if floor is None:
+            assert replayed["test"] == live["test"]
+        else:
+            assert replayed["test"]["accuracy"] >= floor

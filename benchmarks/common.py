@@ -1,0 +1,23 @@
+"""Shared by the benchmark scripts: run a live simulation once, reuse its results after."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fedfusion.launch import launch  # noqa: E402
+
+
+def live_run(run_config: str, out: str, name: str) -> dict:
+    """``launch`` a run named ``name`` under ``out``, unless it already finished there."""
+    done = Path(out) / name / "results.json"
+    if done.is_file():
+        results = json.loads(done.read_text())
+        if results.get("status") == "ok":
+            print(f"reusing {done}")
+            return results
+    return launch(f"{run_config} output-dir='{out}' run-name={name}")
