@@ -18,6 +18,7 @@ import time
 from common import REPO, live_run
 
 from fedfusion.config import Settings  # noqa: E402
+from fedfusion.curvature import STRUCTURES  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 
 PAPER_TABLE1 = {0.05: 59.89, 0.1: 75.91, 0.2: 79.03, 0.4: 84.42}
@@ -35,16 +36,19 @@ def main() -> None:
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for alpha in (float(a) for a in args.alphas.split(",")):
-            name = f"a{alpha:g}-s{seed}-{args.structure}"
+            name = f"a{alpha:g}-s{seed}"
+            extra = ",".join(f"curvature.{s}" for s in STRUCTURES if s != args.structure)
             start = time.perf_counter()
             live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
                             f"num-members={args.members} local-epochs={args.epochs} "
-                            f"hessian-structure={args.structure}", args.out, name)
+                            f"hessian-structure={args.structure} "
+                            f"extra-sections='{extra}'", args.out, name)
             row = {"alpha": alpha, "seed": seed, "structure": args.structure,
                    "wall_s": time.perf_counter() - start,
                    "fedbens_val": live["test"]["accuracy"], "fedbens_val_nll": live["test"]["nll"],
                    "client_train_s_sum": live["timing"]["client_train_s_sum"],
-                   "client_fit_s_sum": live["timing"]["client_stats_s_sum"],
+                   "client_fit_s_sum": sum(c["section_time_s"][f"curvature.{args.structure}"]
+                                           for c in live["clients"]),
                    "server_fuse_s": live["timing"]["server_fuse_s"],
                    "upload_mb_per_client": live["clients"][0]["upload_mb"]}
             row["fit_over_train"] = row["client_fit_s_sum"] / row["client_train_s_sum"]
@@ -52,14 +56,17 @@ def main() -> None:
 
             def replay(tag: str, name: str = name, uploads: str = uploads,
                        **changes: object) -> dict:
+                settings = {"hessian_structure": args.structure, **changes}
                 return run_server(Settings(output_dir=args.out, run_name=f"{name}-{tag}",
-                                           replay=uploads, hessian_structure=args.structure,
-                                           **changes))
+                                           replay=uploads, **settings))
             row["fedbens_noval"] = replay("noval", strategy="fedbens",
                                           server_validation=False)["test"]["accuracy"]
             row["fedbens_by_m"] = {m: replay(f"m{m}", strategy="fedbens", replay_members=m)[
                 "test"]["accuracy"] for m in range(1, args.members)}
             row["fedbens_by_m"][args.members] = row["fedbens_val"]
+            row["by_structure"] = {s: replay(s, strategy="fedbens", hessian_structure=s)[
+                "test"]["accuracy"] for s in STRUCTURES if s != args.structure}
+            row["by_structure"][args.structure] = row["fedbens_val"]
             row["ensemble"] = replay("ensemble", strategy="ensemble")["test"]["accuracy"]
             row["fedavg"] = replay("fedavg", strategy="fedavg",
                                    replay_members=1)["test"]["accuracy"]
@@ -75,6 +82,10 @@ def main() -> None:
               f"| {100 * r['ensemble']:.2f} | {100 * r['fedavg']:.2f} "
               f"| {100 * r['fit_over_train']:.1f}% | {r['server_fuse_s']:.1f} "
               f"| {r['upload_mb_per_client']:.2f} |")
+    print("\nStructure (accuracy %, same members):")
+    for r in rows:
+        per = " ".join(f"{s}:{100 * v:.2f}" for s, v in sorted(r["by_structure"].items()))
+        print(f"  alpha {r['alpha']:g} seed {r['seed']}: {per}")
     print("\nM curve (accuracy %):")
     for r in rows:
         curve = " ".join(f"M={m}:{100 * v:.2f}" for m, v in sorted(r["fedbens_by_m"].items()))

@@ -59,7 +59,8 @@ def run_client(
     train_config = TrainConfig(settings.local_epochs, settings.lr, settings.momentum,
                                settings.batch_size)
     members: list[dict[str, NumpyDict]] = []
-    train_s = stats_s = 0.0
+    train_s = 0.0
+    section_s = dict.fromkeys(sections, 0.0)
     for m in range(settings.num_members):
         seed = member_seed(settings, client_id, m, server_round)
         torch.manual_seed(seed)
@@ -67,9 +68,12 @@ def run_client(
         if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
             model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
         stats = train_local(model, x, y, train_config, seed)
-        start = time.perf_counter()
-        members.append({s: build_section(s, model, x, y, settings) for s in sections})
-        stats_s += time.perf_counter() - start
+        member: dict[str, NumpyDict] = {}
+        for section in sections:
+            start = time.perf_counter()
+            member[section] = build_section(section, model, x, y, settings)
+            section_s[section] += time.perf_counter() - start
+        members.append(member)
         train_s += stats.seconds
         log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
@@ -82,7 +86,8 @@ def run_client(
         members=members,
         metrics={
             "train-time-s": train_s,
-            "stats-time-s": stats_s,
+            "stats-time-s": sum(section_s.values()),
+            **{f"time-s/{section}": t for section, t in section_s.items()},
             "class-histogram": [int(v) for v in split.histogram[client_id]],
         },
     )

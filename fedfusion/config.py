@@ -57,6 +57,7 @@ class Settings:
     curvature_batch_size: int = 256
     curvature_rank: int = 0
     curvature_half: bool = False
+    extra_sections: str = ""
     # server
     server_device: str = "auto"
     eval_batch_size: int = 2000

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +125,9 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     for item in items:  # one flag per key: values with spaces need no extra quoting
         command += ["--run-config", item]
     print("$", " ".join(shlex.quote(c) for c in command), flush=True)
+    if threading.current_thread() is threading.main_thread():
+        # a SIGTERM (kill, CI timeout) must still run the `finally` that stops the SuperLink
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         subprocess.run(command, env=env, timeout=timeout, check=False)
     finally:

@@ -22,7 +22,10 @@ def available_strategies() -> list[str]:
 def build_strategy(name: str, context: FusionContext, settings: object) -> FusionStrategy:
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; available: {available_strategies()}")
-    return STRATEGIES[name].from_settings(context, settings)
+    strategy = STRATEGIES[name].from_settings(context, settings)
+    extra = getattr(settings, "extra_sections", "")
+    strategy.extra_sections = tuple(s for s in extra.split(",") if s)
+    return strategy
 
 
 __all__ = [

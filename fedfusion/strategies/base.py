@@ -91,6 +91,8 @@ class FusionStrategy(Strategy, ABC):
         self.context = context
         self.num_clients = num_clients
         self.min_valid_uploads = min_valid_uploads
+        #: sections asked of the clients beyond ``required_sections`` (kept for replays)
+        self.extra_sections: tuple[str, ...] = ()
         self.uploads: list[ClientUpload] = []
         self.exclusions: list[dict[str, Any]] = []
         self.predictor: nn.Module | None = None
@@ -165,7 +167,7 @@ class FusionStrategy(Strategy, ABC):
         """Send the global arrays and the list of wanted upload sections to every client."""
         node_ids, _ = sample_nodes(grid, self.num_clients, self.num_clients)
         config["server-round"] = server_round
-        config["sections"] = list(self.required_sections)
+        config["sections"] = list(dict.fromkeys(self.required_sections + self.extra_sections))
         record = RecordDict({"arrays": arrays, "config": config})
         log.info("[%s] round %d: sending to %d client(s)", self.name, server_round, len(node_ids))
         return [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)
