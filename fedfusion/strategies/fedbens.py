@@ -9,12 +9,10 @@ Lambda_m^c = H_m^c / T + I / sigma^2. The server maximises the global log poster
            - (C - 1) log N(w | 0, sigma^2 I)
 
 from R = max_c M_c starting points, run r starting at the per-parameter median over clients
-of member r (Algorithm 1, line 21). The R runs are one batched computation: Adam is
-elementwise, so stacking the runs along a leading axis gives exactly R independent runs;
-the gradient-norm clip is applied per run. Every ``eval_every`` steps each run's iterate is
-scored, on the server validation set (accuracy, then NLL) when there is one, else by the
-objective, and each run keeps its best iterate. The prediction is the ensemble of the R
-modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)).
+of member r (Algorithm 1, line 21), with Adam and a per-run gradient-norm clip, the R runs
+batched into one computation, each keeping its best iterate on the server validation set
+(or by objective): see :mod:`fedfusion.strategies.server_optim`. The prediction is the
+ensemble of the R modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)).
 
 Departures from the reference code: the validation set is held out from the training data
 (the reference draws it from the clients' data); the starting iterate (step 0) is a
@@ -30,13 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays, mixture_log_posterior
-from fedfusion.evaluation import classification_metrics
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.uploads import curvature_section
 
 log = logging.getLogger("fedfusion")
@@ -65,9 +62,9 @@ class FedBEns(FusionStrategy):
         self.structure = hessian_structure
         self.required_sections = (WEIGHTS, curvature_section(hessian_structure))
         self.temperature, self.prior_var = temperature, prior_var
-        self.steps, self.lr, self.clip, self.eval_every = steps, lr, clip, eval_every
         self.dtype = dtype
-        self.trace: list[dict[str, Any]] = []
+        self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
+                                         dtype=dtype, label="fedbens")
 
     @classmethod
     def from_settings(cls, context: FusionContext, settings: Any) -> FedBEns:
@@ -120,66 +117,14 @@ class FedBEns(FusionStrategy):
     def optimise(self, starts: Sequence[dict[str, np.ndarray]], stacked: StackedGaussians,
                  owner: torch.Tensor, num_clients: int) -> list[dict[str, torch.Tensor]]:
         """Maximise the objective from each start (batched); return each run's best iterate."""
-        device = self.context.device
-        runs = len(starts)
-        w = {name: torch.tensor(np.stack([s[name] for s in starts]), dtype=self.dtype,
-                                device=device, requires_grad=True) for name in starts[0]}
-        optimizer = torch.optim.Adam(list(w.values()), lr=self.lr)
-        net = self.context.model_spec.build().to(device)
-        best_score = [(-np.inf, -np.inf)] * runs
-        best = [{k: v[r].detach().clone() for k, v in w.items()} for r in range(runs)]
-        self.trace = []
         log.info("[fedbens] %d clients, %d components (%s), %d run(s) x %d Adam steps on %s",
-                 num_clients, stacked.num_components, self.structure, runs, self.steps, device)
-        for step in range(self.steps + 1):
-            optimizer.zero_grad(set_to_none=True)
-            objective = self.objective(w, stacked, owner, num_clients)
-            if step % self.eval_every == 0 or step == self.steps:
-                scores = self._score(net, w, objective.detach())
-                for r, score in enumerate(scores):
-                    if score > best_score[r]:
-                        best_score[r] = score
-                        best[r] = {k: v[r].detach().clone() for k, v in w.items()}
-                self.trace.append({"step": step, "objective": objective.detach().cpu().tolist(),
-                                   "score": [list(s) for s in scores]})
-                log.info("[fedbens] step %d/%d: objective %s | score %s", step, self.steps,
-                         " ".join(f"{v:.4g}" for v in objective.tolist()),
-                         " ".join(f"{s[0]:.4f}" for s in scores))
-            if step == self.steps:
-                break
-            (-objective.sum()).backward()
-            self._clip_per_run(w)
-            optimizer.step()
-        self.best_scores = best_score
-        return [{k: v.cpu() for k, v in b.items()} for b in best]
-
-    def _clip_per_run(self, w: dict[str, torch.Tensor]) -> None:
-        """Scale each run's gradient to norm <= clip, as clip_grad_norm_ on separate runs."""
-        grads = [v.grad for v in w.values()]
-        norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads))
-        scale = torch.clamp(self.clip / (norms + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale.view(-1, *([1] * (g.ndim - 1))))
-
-    @torch.no_grad()
-    def _score(self, net: nn.Module, w: dict[str, torch.Tensor], objective: torch.Tensor
-               ) -> list[tuple[float, float]]:
-        """Per run, higher is better: (val accuracy, -val NLL), or (objective, 0)."""
-        val = self.context.val
-        if val is None:
-            return [(float(v), 0.0) for v in objective]
-        x = val.x.to(self.context.device)
-        scores = []
-        for r in range(objective.shape[0]):
-            params = {k: v[r] for k, v in w.items()}
-            log_probs = torch.log_softmax(functional_call(net, params, (x,)), dim=-1)
-            metrics = classification_metrics(log_probs.float().cpu(), val.y)
-            scores.append((metrics["accuracy"], -metrics["nll"]))
-        return scores
+                 num_clients, stacked.num_components, self.structure, len(starts),
+                 self.optimiser.steps, self.context.device)
+        return self.optimiser.maximise(
+            lambda w: self.objective(w, stacked, owner, num_clients), starts, self.context)
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
-                "prior_var": self.prior_var, "steps": self.steps, "lr": self.lr,
+                "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
-                "best_scores": [list(s) for s in getattr(self, "best_scores", [])],
-                "trace": self.trace}
+                **self.optimiser.report()}

@@ -1,0 +1,109 @@
+"""Batched server-side optimisation with model selection, shared by the strategies that
+maximise an objective over the weights (FedBEns, FedFisher).
+
+R runs are stacked along a leading axis of every parameter tensor and optimised together:
+Adam (and SGD) act elementwise, so this is exactly R independent runs; the gradient-norm
+clip is applied per run, as ``clip_grad_norm_`` would on each run alone. Every
+``eval_every`` steps (and at steps 0 and ``steps``) each run is scored, on the server
+validation set (accuracy, then -NLL) when there is one, else by its objective, and each
+run keeps its best iterate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedfusion.evaluation import classification_metrics
+from fedfusion.strategies.base import FusionContext
+
+log = logging.getLogger("fedfusion")
+
+Objective = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # stacked weights -> [R]
+
+
+@dataclass
+class ServerOptimiser:
+    """Maximise an objective from R starting points; see the module docstring."""
+
+    steps: int = 300
+    lr: float = 1e-3
+    clip: float | None = 1.0
+    eval_every: int = 30
+    optimizer: str = "adam"  # adam | sgd
+    dtype: torch.dtype = torch.float32
+    label: str = "server"
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    best_scores: list[tuple[float, float]] = field(default_factory=list)
+
+    def maximise(self, objective: Objective, starts: Sequence[dict[str, np.ndarray]],
+                 context: FusionContext) -> list[dict[str, torch.Tensor]]:
+        """Return each run's best iterate (CPU tensors) after ``steps`` steps."""
+        device, runs = context.device, len(starts)
+        w = {name: torch.tensor(np.stack([s[name] for s in starts]), dtype=self.dtype,
+                                device=device, requires_grad=True) for name in starts[0]}
+        params = list(w.values())
+        optimizer = (torch.optim.Adam(params, lr=self.lr) if self.optimizer == "adam"
+                     else torch.optim.SGD(params, lr=self.lr))
+        net = context.model_spec.build().to(device)
+        best_score = [(-np.inf, -np.inf)] * runs
+        best = [{k: v[r].detach().clone() for k, v in w.items()} for r in range(runs)]
+        self.trace = []
+        for step in range(self.steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            value = objective(w)
+            if step % self.eval_every == 0 or step == self.steps:
+                scores = self.score(net, w, value.detach(), context)
+                for r, score in enumerate(scores):
+                    if score > best_score[r]:
+                        best_score[r] = score
+                        best[r] = {k: v[r].detach().clone() for k, v in w.items()}
+                self.trace.append({"step": step, "objective": value.detach().cpu().tolist(),
+                                   "score": [list(s) for s in scores]})
+                log.info("[%s] step %d/%d: objective %s | score %s", self.label, step,
+                         self.steps, " ".join(f"{v:.4g}" for v in value.tolist()),
+                         " ".join(f"{s[0]:.4f}" for s in scores))
+            if step == self.steps:
+                break
+            (-value.sum()).backward()
+            if self.clip is not None:
+                clip_per_run(w, self.clip)
+            optimizer.step()
+        self.best_scores = best_score
+        return [{k: v.cpu() for k, v in b.items()} for b in best]
+
+    @torch.no_grad()
+    def score(self, net: nn.Module, w: dict[str, torch.Tensor], objective: torch.Tensor,
+              context: FusionContext) -> list[tuple[float, float]]:
+        """Per run, higher is better: (val accuracy, -val NLL), or (objective, 0)."""
+        val = context.val
+        if val is None:
+            return [(float(v), 0.0) for v in objective]
+        x = val.x.to(context.device)
+        scores = []
+        for r in range(objective.shape[0]):
+            logits = functional_call(net, {k: v[r] for k, v in w.items()}, (x,))
+            metrics = classification_metrics(torch.log_softmax(logits, -1).float().cpu(), val.y)
+            scores.append((metrics["accuracy"], -metrics["nll"]))
+        return scores
+
+    def report(self) -> dict[str, Any]:
+        return {"steps": self.steps, "lr": self.lr, "clip": self.clip,
+                "optimizer": self.optimizer, "eval_every": self.eval_every,
+                "best_scores": [list(s) for s in self.best_scores], "trace": self.trace}
+
+
+def clip_per_run(w: dict[str, torch.Tensor], max_norm: float) -> None:
+    """Scale each run's gradient to norm <= max_norm, as clip_grad_norm_ on separate runs."""
+    grads = [v.grad for v in w.values() if v.grad is not None]
+    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads))
+    scale = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.view(-1, *([1] * (g.ndim - 1))))
