@@ -66,6 +66,21 @@ class Settings:
     server_clip: float = 1.0
     server_eval_every: int = 30
     server_validation: bool = True
+    # FedBEns' baselines (issue 5)
+    fedfisher_steps: int = 2000
+    fedfisher_lr: float = 0.01
+    fedfisher_eval_every: int = 100
+    regmean_alpha: str = "0.1,0.5,0.9"
+    otfusion_mode: str = "weights"
+    dense_epochs: int = 200
+    dense_batch_size: int = 256
+    dense_latent_dim: int = 256
+    dense_g_lr: float = 0.001
+    dense_s_lr: float = 0.01
+    dense_g_steps: int = 1
+    dense_s_steps: int = 5
+    dense_adv_weight: float = 1.0
+    dense_act_weight: float = 0.1
     # outputs
     output_dir: str = ""
     run_name: str = ""
