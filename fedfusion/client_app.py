@@ -48,8 +48,12 @@ def run_client(
     inits: Sequence[NumpyDict],
     sections: Sequence[str] = (WEIGHTS,),
     server_round: int = 1,
+    optional_sections: Sequence[str] = (),
 ) -> ClientUpload:
-    """Train ``settings.num_members`` members and compute the requested upload sections."""
+    """Train ``settings.num_members`` members and compute the requested upload sections.
+
+    A failing ``optional_sections`` entry (asked for replays by other strategies) is left out
+    of the upload with a warning; a failing required section fails the client."""
     torch.set_num_threads(settings.client_threads)
     split = federated_split(settings)
     x, y = split.client_data(client_id)
@@ -60,7 +64,9 @@ def run_client(
                                settings.batch_size)
     members: list[dict[str, NumpyDict]] = []
     train_s = 0.0
-    section_s = dict.fromkeys(sections, 0.0)
+    optional = [s for s in optional_sections if s not in sections]
+    section_s = dict.fromkeys([*sections, *optional], 0.0)
+    failed: dict[str, str] = {}
     for m in range(settings.num_members):
         seed = member_seed(settings, client_id, m, server_round)
         torch.manual_seed(seed)
@@ -69,15 +75,27 @@ def run_client(
             model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
         stats = train_local(model, x, y, train_config, seed)
         member: dict[str, NumpyDict] = {}
-        for section in sections:
+        for section in [*sections, *optional]:
+            if section in failed:
+                continue
             start = time.perf_counter()
-            member[section] = build_section(section, model, x, y, settings)
+            try:
+                member[section] = build_section(section, model, x, y, settings)
+            except Exception as exc:
+                if section in sections:
+                    raise
+                failed[section] = f"{type(exc).__name__}: {exc}"
+                log.warning("client %d: optional section %s left out: %s", client_id, section,
+                            failed[section])
             section_s[section] += time.perf_counter() - start
         members.append(member)
         train_s += stats.seconds
         log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
                  stats.samples_per_s, stats.final_loss)
+    for member in members:  # every member carries the same sections
+        for section in failed:
+            member.pop(section, None)
     return ClientUpload(
         client_id=client_id,
         model=spec.name,
@@ -110,5 +128,6 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     sections = list(config.get("sections", [WEIGHTS]))
     upload = run_client(settings, client_id, decode_models(msg.content["arrays"]), sections,
-                        int(config.get("server-round", 1)))
+                        int(config.get("server-round", 1)),
+                        list(config.get("optional-sections", [])))
     return Message(content=encode_upload(upload), reply_to=msg)

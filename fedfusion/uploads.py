@@ -82,3 +82,10 @@ def _curvature_validator(structure: str) -> SectionValidator:
 for _structure in STRUCTURES:
     register_builder(curvature_section(_structure))(_curvature_builder(_structure))
     register_section(curvature_section(_structure), _curvature_validator(_structure))
+
+
+# RegMean's upload section: per Linear/Conv2d weight, the Gram of the layer's inputs.
+from fedfusion.gram import layer_grams, validate_grams  # noqa: E402
+
+register_builder("gram")(lambda model, x, y, settings: layer_grams(model, x))
+register_section("gram", validate_grams)

@@ -9,9 +9,11 @@ from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
+from fedfusion.strategies.otfusion import OTFusion
+from fedfusion.strategies.regmean import RegMean
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns)
+    cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion)
 }
 
 
@@ -34,6 +36,8 @@ __all__ = [
     "FedBEns",
     "FusionContext",
     "FusionStrategy",
+    "OTFusion",
+    "RegMean",
     "UniformEnsemble",
     "available_strategies",
     "build_strategy",

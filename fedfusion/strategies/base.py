@@ -167,7 +167,10 @@ class FusionStrategy(Strategy, ABC):
         """Send the global arrays and the list of wanted upload sections to every client."""
         node_ids, _ = sample_nodes(grid, self.num_clients, self.num_clients)
         config["server-round"] = server_round
-        config["sections"] = list(dict.fromkeys(self.required_sections + self.extra_sections))
+        config["sections"] = list(self.required_sections)
+        optional = [s for s in self.extra_sections if s not in self.required_sections]
+        if optional:
+            config["optional-sections"] = optional
         record = RecordDict({"arrays": arrays, "config": config})
         log.info("[%s] round %d: sending to %d client(s)", self.name, server_round, len(node_ids))
         return [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)

@@ -45,7 +45,8 @@ class InProcessGrid(Grid):
                 if client in self.crash:
                     raise MemoryError(f"client {client} ran out of memory")
                 upload = run_client(self.settings, client, decode_models(msg.content["arrays"]),
-                                    list(config["sections"]), int(config["server-round"]))
+                                    list(config["sections"]), int(config["server-round"]),
+                                    list(config.get("optional-sections", [])))
                 reply = Message(encode_upload(upload), reply_to=msg)
             except Exception as exc:  # what Flower does with a ClientApp exception
                 reply = Message(Error(code=0, reason=str(exc)), reply_to=msg)

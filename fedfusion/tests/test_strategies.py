@@ -125,3 +125,9 @@ def test_mismatched_architecture_is_excluded_from_fedavg():
         strategy.fuse_uploads([upload])
     assert "cannot be built" in strategy.exclusions[0]["reason"]
     assert isinstance(UploadError(1, "x"), ValueError)
+
+
+def test_a_failing_optional_section_does_not_exclude_the_client(small_settings):
+    settings = small_settings.replace(extra_sections="no-such-section", run_name="opt")
+    results = run_server(settings, InProcessGrid(settings))
+    assert len(results["clients"]) == 3 and not results["excluded"]

@@ -1,0 +1,242 @@
+"""RegMean and the ``gram`` upload section: Grams against brute force, the merge against
+least squares on the pooled inputs, alpha selection, and a real FMNIST federation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedfusion.config import Settings
+from fedfusion.datasets import ImageData
+from fedfusion.gram import gram_layers, layer_grams, layer_inputs, validate_grams
+from fedfusion.payload import ClientUpload, UploadError, validate_upload
+from fedfusion.predictors import ModelSpec
+from fedfusion.server_app import run_server
+from fedfusion.strategies import STRATEGIES, FusionContext
+from fedfusion.strategies.regmean import RegMean, parse_alphas
+from fedfusion.tests.conftest import InProcessGrid
+from fedfusion.uploads import build_section
+
+LINEAR = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 0})
+LINEAR_BIAS = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 0, "bias": True})
+LENET = ModelSpec("lenet", (1, 28, 28), 10)
+
+
+def client(spec: ModelSpec, client_id: int, n: int, seed: int) -> tuple[ClientUpload,
+                                                                          nn.Module, torch.Tensor]:
+    """An untrained random client model, its random inputs, and its upload (weights + gram)."""
+    torch.manual_seed(seed)
+    model = spec.build()
+    x = torch.randn(n, *spec.input_shape) + 0.3 * seed  # client inputs differ in distribution
+    upload = ClientUpload(client_id, spec.name, spec.kwargs, n, [{
+        "weights": {k: v.numpy().copy() for k, v in model.state_dict().items()},
+        "gram": layer_grams(model, x, batch_size=16)}])
+    return upload, model, x
+
+
+def brute_force_patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """Every receptive field of ``conv`` as a row [c*kh*kw], by explicit loops."""
+    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv.padding
+    padded = F.pad(x, (pw, pw, ph, ph))
+    rows = []
+    for n in range(len(x)):
+        for i in range(0, padded.shape[2] - kh + 1, sh):
+            for j in range(0, padded.shape[3] - kw + 1, sw):
+                rows.append(padded[n, :, i:i + kh, j:j + kw].reshape(-1))
+    return torch.stack(rows).double()
+
+
+class Small(nn.Module):
+    """conv (with bias, stride 2, padding 1) -> ReLU -> flatten -> linear (no bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.fc = nn.Linear(3 * 3 * 3, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.conv(x)).flatten(1))
+
+
+def test_grams_match_brute_force_sums():
+    torch.manual_seed(0)
+    model, x = Small().double(), torch.randn(7, 2, 6, 6, dtype=torch.float64)
+    grams = layer_grams(model, x, batch_size=3)
+    assert set(grams) == {"conv.weight", "fc.weight"}
+    patches = brute_force_patches(x, model.conv)
+    patches = torch.cat([patches, torch.ones(len(patches), 1, dtype=patches.dtype)], 1)
+    assert grams["conv.weight"].shape == (2 * 9 + 1, 2 * 9 + 1)  # bias: constant-1 input
+    np.testing.assert_allclose(grams["conv.weight"], (patches.T @ patches).numpy(), rtol=1e-6)
+    hidden = F.relu(model.conv(x)).flatten(1).detach()
+    np.testing.assert_allclose(grams["fc.weight"], (hidden.T @ hidden).numpy(), rtol=1e-6,
+                               atol=1e-6)
+    assert all(g.dtype == np.float32 and np.array_equal(g, g.T) for g in grams.values())
+    # and the conv layer's output is exactly its weight applied to these patches
+    out = model.conv(x).permute(0, 2, 3, 1).reshape(-1, 3).detach()
+    w = torch.cat([model.conv.weight.reshape(3, -1), model.conv.bias[:, None]], 1).detach()
+    torch.testing.assert_close(patches @ w.T, out)
+
+
+def test_gram_section_is_built_by_the_client_registry_and_validated():
+    torch.manual_seed(0)
+    model, x = LENET.build(), torch.randn(20, 1, 28, 28)
+    arrays = build_section("gram", model, x, torch.zeros(20, dtype=torch.long), None)
+    shapes = FusionContext(LENET).param_shapes("lenet", {})
+    assert {k: v.shape for k, v in arrays.items()} == {
+        "features.0.weight": (25, 25), "features.3.weight": (150, 150),
+        "classifier.0.weight": (256, 256), "classifier.2.weight": (120, 120),
+        "classifier.4.weight": (84, 84)}
+    validate_grams(arrays, shapes)
+    upload = ClientUpload(0, "lenet", {}, 20, [{"weights": {
+        k: v.numpy() for k, v in model.state_dict().items()}, "gram": arrays}])
+    validate_upload(upload, FusionContext(LENET).param_shapes, ("weights", "gram"))
+
+
+def test_validate_grams_names_the_bad_array():
+    shapes = FusionContext(LINEAR_BIAS).param_shapes(LINEAR_BIAS.name, LINEAR_BIAS.kwargs)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((50, 17))
+    good = {"net.1.weight": (a.T @ a).astype(np.float32)}  # 16 inputs + the bias's 1
+    validate_grams(good, shapes)
+    bad_cases = {
+        "missing Gram": {},
+        "shape": {"net.1.weight": good["net.1.weight"][:16, :16]},
+        "not symmetric": {"net.1.weight": good["net.1.weight"] + np.triu(np.ones((17, 17)), 1)},
+        "not positive semi-definite": {"net.1.weight": good["net.1.weight"]
+                                       - 2 * np.linalg.eigvalsh(a.T @ a)[-1] * np.eye(17)},
+        "unexpected": {**good, "net.1.bias": good["net.1.weight"]},
+    }
+    for problem, arrays in bad_cases.items():
+        with pytest.raises(ValueError, match=problem) as info:
+            validate_grams({k: np.asarray(v, np.float32) for k, v in arrays.items()}, shapes)
+        assert "net.1" in str(info.value)
+    upload = ClientUpload(0, LINEAR_BIAS.name, LINEAR_BIAS.kwargs, 5, [{
+        "weights": {k: np.zeros(s, np.float32) for k, s in shapes.items()},
+        "gram": bad_cases["not symmetric"]}])
+    with pytest.raises(UploadError, match="client 0: member 0 section 'gram'"):
+        validate_upload(upload, FusionContext(LINEAR_BIAS).param_shapes, ("weights", "gram"))
+
+
+def test_parse_alphas():
+    assert parse_alphas("0.1, 0.5,0.9") == [0.1, 0.5, 0.9]
+    for text in ("", "a,b", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match="regmean-alpha"):
+            parse_alphas(text)
+
+
+@pytest.mark.parametrize("spec", [LINEAR, LINEAR_BIAS], ids=["no-bias", "bias"])
+def test_alpha_one_is_least_squares_on_the_pooled_inputs(spec):
+    """W* = argmin_W sum_i ||X_i W^T - X_i W_i^T||^2 (with a bias: over [X_i, 1])."""
+    clients = [client(spec, c, n, seed=c) for c, n in enumerate((40, 25, 60))]
+    fused = RegMean(FusionContext(spec), 3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
+    state = fused.members[0].state_dict()
+    inputs, targets = [], []
+    for _, model, x in clients:
+        layer = model.net[1]
+        rows = layer_inputs(layer, x.flatten(1))  # [X | 1] with a bias
+        w = layer.weight if layer.bias is None else torch.cat([layer.weight,
+                                                               layer.bias[:, None]], 1)
+        inputs.append(rows.numpy())
+        targets.append((rows @ w.detach().double().T).numpy())
+    solution = np.linalg.lstsq(np.vstack(inputs), np.vstack(targets), rcond=None)[0].T
+    np.testing.assert_allclose(state["net.1.weight"].numpy(), solution[:, :16], atol=2e-5)
+    if spec is LINEAR_BIAS:
+        np.testing.assert_allclose(state["net.1.bias"].numpy(), solution[:, 16], atol=2e-5)
+    # ... and it is not simply the average of the clients
+    average = np.mean([m.net[1].weight.detach().numpy() for _, m, _ in clients], 0)
+    assert np.abs(state["net.1.weight"].numpy() - average).max() > 0.05
+
+
+def test_alpha_shrinks_the_off_diagonal():
+    """alpha < 1: W*^T = (sum G~_i)^-1 sum G~_i W_i^T with G~ = alpha G + (1-alpha) diag G."""
+    clients = [client(LINEAR, c, 30, seed=c) for c in range(3)]
+    uploads = [u for u, _, _ in clients]
+    alpha = 0.3
+    fused = RegMean(FusionContext(LINEAR), 3, alphas=(alpha,)).fuse(uploads)
+    shrunk = [alpha * g + (1 - alpha) * np.diag(np.diag(g)) for g in
+              (u.members[0]["gram"]["net.1.weight"].astype(np.float64) for u in uploads)]
+    rhs = sum(g @ u.weights()["net.1.weight"].T.astype(np.float64)
+              for g, u in zip(shrunk, uploads, strict=True))
+    expected = np.linalg.solve(sum(shrunk), rhs).T
+    np.testing.assert_allclose(fused.members[0].state_dict()["net.1.weight"].numpy(), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_conv_layers_are_least_squares_on_unfolded_patches():
+    """LeNet's two conv layers, alpha = 1: each is the least-squares fit of the clients'
+    conv outputs on the pooled patches of the clients' own layer inputs."""
+    clients = [client(LENET, c, n, seed=c) for c, n in enumerate((12, 20, 8))]
+    fused = RegMean(FusionContext(LENET), 3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
+    state = fused.members[0].state_dict()
+    for index, name in ((0, "features.0.weight"), (3, "features.3.weight")):
+        inputs, targets = [], []
+        for _, model, x in clients:
+            conv = model.features[index]
+            layer_input = model.features[:index](x).detach()
+            rows = brute_force_patches(layer_input, conv)
+            inputs.append(rows.numpy())
+            targets.append((rows @ conv.weight.detach().double().reshape(len(conv.weight), -1).T)
+                           .numpy())
+        solution = np.linalg.lstsq(np.vstack(inputs), np.vstack(targets), rcond=None)[0].T
+        np.testing.assert_allclose(state[name].numpy().reshape(len(solution), -1), solution,
+                                   atol=2e-5, err_msg=name)
+    assert fused.members[0].state_dict().keys() == clients[0][1].state_dict().keys()
+
+
+def test_identical_clients_fuse_to_that_client():
+    upload, model, _ = client(LENET, 0, 30, seed=4)
+    twin = ClientUpload(1, upload.model, upload.model_kwargs, 50, upload.members)
+    strategy = RegMean(FusionContext(LENET), 2, alphas=(0.1, 1.0))
+    fused = strategy.fuse([upload, twin]).members[0].state_dict()
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(fused[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    # fc1 has 256 inputs and 30 samples: its alpha = 1 Gram is singular, hence the ridge
+    assert strategy.report()["chosen_alpha"] == 1.0  # no validation set: the last alpha
+    assert strategy.report()["alphas"][0]["ridged_layers"].keys() >= {"m0/classifier.0.weight"}
+
+
+def test_alpha_is_chosen_on_validation():
+    clients = [client(LENET, c, 30, seed=c) for c in range(2)]
+    uploads = [u for u, _, _ in clients]
+    torch.manual_seed(9)
+    x = torch.randn(64, 1, 28, 28)
+    y = clients[1][1](x).argmax(1).detach()  # labels of client 1's model: some alpha fits them best
+    alphas = (0.0, 0.5, 1.0)
+    strategy = RegMean(FusionContext(LENET, val=ImageData(x, y)), 2, alphas=alphas)
+    chosen = strategy.fuse(uploads)
+    report = strategy.report()
+    accuracies = [entry["val_accuracy"] for entry in report["alphas"]]
+    assert [entry["alpha"] for entry in report["alphas"]] == list(alphas)
+    assert report["chosen_alpha"] == alphas[int(np.argmax(accuracies))]
+    alone = RegMean(FusionContext(LENET), 2, alphas=(report["chosen_alpha"],)).fuse(uploads)
+    for name, value in alone.members[0].state_dict().items():
+        assert torch.equal(chosen.members[0].state_dict()[name], value)
+
+
+def test_real_fmnist_federation(tmp_path, monkeypatch):
+    """3 clients, Dirichlet 0.5 on 9000 real FMNIST images, LeNet, 2 local epochs: RegMean
+    (alpha chosen on 300 validation images) must beat 55% test accuracy. Measured 60.8%
+    (alpha 0.5 chosen); FedAvg gets 51.2% and the uniform ensemble 64.7% on this split."""
+    monkeypatch.setitem(STRATEGIES, RegMean.name, RegMean)
+    settings = Settings(strategy="regmean", num_clients=3, train_subset=9000, local_epochs=2,
+                        alpha=0.5, val_size=300, output_dir=str(tmp_path), run_name="regmean")
+    results = run_server(settings, InProcessGrid(settings))
+    assert results["status"] == "ok" and not results["excluded"]
+    report = results["strategy_report"]
+    print(results["test"], report)
+    assert [entry["alpha"] for entry in report["alphas"]] == [0.1, 0.5, 0.9]
+    assert report["chosen_alpha"] in (0.1, 0.5, 0.9)
+    assert results["test"]["accuracy"] > 0.55
+
+
+def test_gram_layers_cover_every_weight_of_the_zoo():
+    for name, shape in (("lenet", (1, 28, 28)), ("cnn", (3, 32, 32)), ("convnet", (3, 32, 32)),
+                        ("mlp", (1, 28, 28))):
+        spec = ModelSpec(name, shape, 10)
+        model = spec.build()
+        weights = {k for k in model.state_dict() if k.endswith("weight")}
+        assert set(gram_layers(model)) == weights
