@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--structure", default="kron")
+    parser.add_argument("--curve-alphas", default="0.1",
+                        help="alphas that also get the M = 1..M-1 and structure replays")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-fedbens"))
     args = parser.parse_args()
     rows = []
@@ -65,11 +67,14 @@ def main() -> None:
                     return {"test": {"accuracy": float("nan")}}
             row["fedbens_noval"] = replay("noval", strategy="fedbens",
                                           server_validation=False)["test"]["accuracy"]
-            row["fedbens_by_m"] = {m: replay(f"m{m}", strategy="fedbens", replay_members=m)[
-                "test"]["accuracy"] for m in range(1, args.members)}
+            extras = f"{alpha:g}" in args.curve_alphas.split(",")
+            row["fedbens_by_m"] = {} if not extras else {
+                m: replay(f"m{m}", strategy="fedbens", replay_members=m)["test"]["accuracy"]
+                for m in range(1, args.members)}
             row["fedbens_by_m"][args.members] = row["fedbens_val"]
-            row["by_structure"] = {s: replay(s, strategy="fedbens", hessian_structure=s)[
-                "test"]["accuracy"] for s in STRUCTURES if s != args.structure}
+            row["by_structure"] = {} if not extras else {
+                s: replay(s, strategy="fedbens", hessian_structure=s)["test"]["accuracy"]
+                for s in STRUCTURES if s != args.structure}
             row["by_structure"][args.structure] = row["fedbens_val"]
             row["ensemble"] = replay("ensemble", strategy="ensemble")["test"]["accuracy"]
             row["fedavg"] = replay("fedavg", strategy="fedavg",
