@@ -9,11 +9,14 @@ from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
+from fedfusion.strategies.fedfisher import FedFisher
+from fedfusion.strategies.fisher_merge import FisherMerge
 from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.strategies.regmean import RegMean
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion)
+    cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion, FedFisher,
+                             FisherMerge)
 }
 
 
@@ -34,6 +37,8 @@ __all__ = [
     "STRATEGIES",
     "FedAvg",
     "FedBEns",
+    "FedFisher",
+    "FisherMerge",
     "FusionContext",
     "FusionStrategy",
     "OTFusion",

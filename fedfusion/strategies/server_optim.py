@@ -38,6 +38,8 @@ class ServerOptimiser:
     clip: float | None = 1.0
     eval_every: int = 30
     optimizer: str = "adam"  # adam | sgd
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     dtype: torch.dtype = torch.float32
     label: str = "server"
     trace: list[dict[str, Any]] = field(default_factory=list)
@@ -50,8 +52,8 @@ class ServerOptimiser:
         w = {name: torch.tensor(np.stack([s[name] for s in starts]), dtype=self.dtype,
                                 device=device, requires_grad=True) for name in starts[0]}
         params = list(w.values())
-        optimizer = (torch.optim.Adam(params, lr=self.lr) if self.optimizer == "adam"
-                     else torch.optim.SGD(params, lr=self.lr))
+        optimizer = (torch.optim.Adam(params, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
+                     if self.optimizer == "adam" else torch.optim.SGD(params, lr=self.lr))
         net = context.model_spec.build().to(device)
         best_score = [(-np.inf, -np.inf)] * runs
         best = [{k: v[r].detach().clone() for k, v in w.items()} for r in range(runs)]
@@ -96,7 +98,8 @@ class ServerOptimiser:
 
     def report(self) -> dict[str, Any]:
         return {"steps": self.steps, "lr": self.lr, "clip": self.clip,
-                "optimizer": self.optimizer, "eval_every": self.eval_every,
+                "optimizer": self.optimizer, "adam_betas": list(self.adam_betas),
+                "adam_eps": self.adam_eps, "eval_every": self.eval_every,
                 "best_scores": [list(s) for s in self.best_scores], "trace": self.trace}
 
 
