@@ -8,6 +8,10 @@ Gaussian log-densities of all members at R candidate points at once and
 :func:`mixture_log_posterior` the FedBEns objective (Eq. 5).
 """
 
+from collections.abc import Mapping
+
+import numpy as np
+
 from fedfusion.curvature.base import Curvature
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature
 from fedfusion.curvature.fit import (
@@ -31,8 +35,8 @@ from fedfusion.curvature.mixture import (
 
 def curvature_from_arrays(
     structure: str,
-    arrays: dict,
-    param_shapes: dict,
+    arrays: Mapping[str, np.ndarray],
+    param_shapes: Mapping[str, tuple[int, ...]],
     temperature: float,
     prior_var: float,
 ) -> Curvature:

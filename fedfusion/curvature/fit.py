@@ -8,38 +8,60 @@ its likelihood curvature ``H`` (summed over the ``N = len(x)`` samples); the pos
 :class:`~fedfusion.curvature.base.Curvature` objects.
 
 Structures
-    ``kron``: laplace-torch's K-FAC ``Kron`` factors ``[B, A]`` per parameter, re-decomposed
-    with a float64 ``eigh`` (see :mod:`fedfusion.curvature.kron`).
+    ``kron``: laplace-torch's K-FAC ``Kron`` factors ``[B, A]`` per parameter (``B`` the
+    ``[out, out]`` output-gradient factor summed over samples, ``A`` the ``[in', in']`` input
+    factor averaged over samples, ``H_W = B (x) A``), re-decomposed with a float64 ``eigh``
+    (see :mod:`fedfusion.curvature.kron`).
     ``diag``: the diagonal ``h`` of laplace-torch's ``DiagLaplace`` (``la.H``).
     ``diag_full``: the diagonal fit above for every layer except the last linear layer, plus
     the dense ``n x n`` block of that layer from laplace-torch's last-layer
     ``Laplace(..., subset_of_weights="last_layer", hessian_structure="full")`` (a second pass
     over the data; ``n = n_classes * n_features`` for a bias-free last layer, 840 for LeNet).
-    The dense block is the exact GGN of the last layer (``sum_n J_n^T (diag p_n - p_n p_n^T)
-    J_n`` with ``J_n = I (x) phi_n^T``) for the GGN backends, its MC estimate for ``*_mc`` and
-    the empirical Fisher for ``*_ef``; its diagonal replaces the last layer's entries of the
-    diagonal fit (for the exact GGN backends they coincide). It is symmetrised in float64.
+    That block is the exact GGN of the last layer, ``sum_n J_n^T (diag p_n - p_n p_n^T) J_n``
+    with ``J_n = I (x) phi_n^T``, for the GGN and MC backends (see ``LAST_LAYER_BACKEND``: the
+    dense contraction, not the sampling, is its cost) and the empirical Fisher for ``*_ef``;
+    it replaces the last layer's entries of the diagonal fit and is symmetrised in float64.
 
 Backends (``backend=``): ``"<library>_<type>"`` with library ``curvlinops``, ``asdl``,
-``backpack`` and type ``ggn`` (exact GGN; for K-FAC the "type-2" K-FAC with one backward pass
-per class), ``mc`` (Monte-Carlo Fisher, one sampled label per input: an unbiased estimate of
-the GGN with a single backward pass) or ``ef`` (empirical Fisher, gradients at the true labels:
-a biased approximation). ``curvlinops_ggn`` is laplace-torch's default and the one the FedBEns
-reference code uses. BackPack's K-FAC only extends models that are plain ``nn.Sequential``
-stacks of supported layers (not LeNet as written in ``fedfusion.models``).
+``backpack`` and type ``ggn`` (exact GGN; for K-FAC the "type-2" K-FAC, one backward pass per
+class), ``mc`` (Monte-Carlo Fisher, one sampled label per input: an unbiased estimate of the
+GGN from a single backward pass) or ``ef`` (empirical Fisher, gradients at the true labels: a
+different, biased matrix). ``curvlinops_ggn`` is laplace-torch's default and the one the
+FedBEns reference code uses; ``asdl_ggn`` gives the same K-FAC (to 1e-6) and diagonal.
+Known limitations, measured by ``benchmarks/curvature_backends.py``:
 
-Default ``backend="asdl_mc"`` (measured by ``benchmarks/curvature_backends.py`` on a bias-free
-LeNet trained for 20 epochs on 12,000 Fashion-MNIST samples, one thread; see
-``benchmarks/results/curvature_backends.json``): the exact K-FAC GGN costs 5-6 s (26-32 % of
-the 20-epoch training; ``curvlinops_ggn`` 6 s, ``asdl_ggn`` 5 s), because it back-propagates
-once per class. The MC Fisher needs one backward pass, fits in about 1.5 s with ASDL (7-8 % of
-training, the only GGN estimate under the 10 % target; ``curvlinops_mc`` about 2.3 s), and its
-summed K-FAC factors stay within a few percent of the exact ones (relative Frobenius error of
-the per-layer precision and log-determinant, reported by the benchmark), whereas the empirical
-Fisher (``asdl_ef``, equally fast) is a different matrix, with a systematically
-different curvature. Batches of 256 are the fastest for the fit on CPU (bigger batches were
-slower: larger im2col buffers); the MC draw is seeded (``seed``) so that a fit is
-reproducible without touching the global RNG.
+* ``curvlinops_ggn`` / ``curvlinops_mc`` with ``diag`` / ``diag_full`` go through laplace-torch's
+  ``torch.func`` Jacobian of a whole batch (a vmap over batch x classes cotangents): more than
+  20 GB at batch 256 and minutes at batch 16-32 on LeNet. Do not use them for the diagonal.
+* ``curvlinops_mc`` builds a fresh Curvlinops K-FAC operator per batch with Curvlinops' fixed
+  default seed, so every batch reuses the same random draws (``seed`` has no effect) and its
+  error depends on the batch size (log det off by -4770 ... +106 on LeNet).
+* ``backpack_*`` K-FAC needs a plain ``nn.Sequential`` model and, through laplace-torch,
+  returns convolution factors on another scale (LeNet's conv layers off by factors of 10^2 -
+  10^3 relative to Curvlinops / ASDL); ``backpack_ef`` has no K-FAC. Its diagonals are fine.
+* ``diag_full``'s dense last-layer block costs more than the diagonal itself (asdl_mc: 13.2 s
+  against 3.4 s under the load below): laplace-torch contracts ``sum_n J_n^T H_n J_n`` with
+  dense last-layer Jacobians, ignoring ``J_n = I (x) phi_n^T``; the structured sum
+  ``sum_n G_n (x) phi_n phi_n^T`` would be ~10x cheaper.
+* The MC diagonal (``asdl_mc`` = ``backpack_mc`` with the same seed) came out ~1-3 % above the
+  exact diagonal on the larger entries of LeNet (log det +1270 of 233,000); the MC K-FAC did not
+  show this (log det -80 ... -530 of 171,000 over seeds).
+
+Default ``backend="asdl_mc"``: LeNet, 12,000 FMNIST samples, 20 training epochs, one thread
+(``benchmarks/results/curvature_backends.json``; the 2-core machine was shared, load average
+5.5-8, so every fit is the minimum of two runs and the training time is the fastest epoch x 20,
+45.7 s). The exact K-FAC GGN costs about 35 % of the training time (``asdl_ggn`` 15.8 s,
+``curvlinops_ggn`` 16.3 s at batch 256) because it back-propagates once per class (an earlier,
+less loaded run: 5-6 s against ~21 s, 25-30 %). The MC Fisher back-propagates once:
+``asdl_mc`` fits in 4.1 s, 9.0 % of training (1.5 s, ~7 %, in the less loaded run), about 4x
+faster than the exact GGN, and stays faithful: max-layer relative Frobenius error of
+``B (x) A`` 13 %, log det within 0.3 % (std 444 over MC seeds, bias -530, of 171,300, while two
+independently trained members differ by 1,725) and the quadratic form at another member's
+weights within 1.5 %. The empirical Fisher is as fast but systematically off (56 % factor
+error, log det -2,090, quadratic form +8.7 %). Batch 256 is the fastest fit batch (128 equal,
+512 / 1000 slower: larger im2col buffers). Use ``backend="asdl_ggn"`` for the reference code's
+exact K-FAC at about 4x the cost. The MC draws are seeded with ``seed`` inside a forked RNG
+state (ASDL / BackPack), so a fit is reproducible and the global RNG is left alone.
 """
 
 from __future__ import annotations
@@ -59,7 +81,7 @@ from laplace.curvature import (
     CurvlinopsGGN,
 )
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
@@ -139,7 +161,9 @@ def fit_laplace(
     given) for a deep copy of ``model``; the RNG of MC backends is seeded with ``seed`` inside a
     forked RNG state."""
     model = copy.deepcopy(model).eval()
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    # whole batches by slicing the tensors (a per-sample collate costs ~3 % of a LeNet fit)
+    batches = BatchSampler(SequentialSampler(range(len(y))), batch_size, drop_last=False)
+    loader = DataLoader(TensorDataset(x, y), sampler=batches, batch_size=None)
     laplace_kwargs.setdefault("subset_of_weights", "all")
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

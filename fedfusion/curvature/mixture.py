@@ -164,12 +164,20 @@ class StackedGaussians(ABC):
         return -0.5 * self.quadratic_form(w) + self.log_normaliser
 
 
+def _pad(mat: torch.Tensor, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
+    """``mat`` zero-padded at the bottom / right to ``rows`` x ``cols``."""
+    rows = mat.shape[0] if rows is None else rows
+    cols = mat.shape[1] if cols is None else cols
+    return torch.nn.functional.pad(mat, (0, cols - mat.shape[1], 0, rows - mat.shape[0]))
+
+
 class StackedKron(StackedGaussians):
     """Kron components: per layer ``quad = sum_{p,q} S[p,q]^2 Lambda_eig[p,q]`` with the
     sandwich ``S = Q_B^T (W - M) Q_A = Q_B^T W Q_A - C``, ``C = Q_B^T M Q_A`` precomputed.
 
     For truncated factors (``rank`` < dimension) the prior part acts on all directions:
-    ``quad = ||W - M||^2 / sigma2 + sum S^2 outer(l_B, l_A) / T``.
+    ``quad = ||W - M||^2 / sigma2 + sum S^2 outer(l_B, l_A) / T``; members truncated to
+    different ranks are zero-padded to the largest rank.
     """
 
     structure: ClassVar[str] = "kron"
@@ -188,15 +196,19 @@ class StackedKron(StackedGaussians):
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for name, shape in param_shapes.items():
             facs = [c.factors[name] for c in kron]
-            ranks = {(f.eigvecs_out.shape[1], f.eigvecs_in.shape[1]) for f in facs}
-            if len(ranks) != 1:
-                raise ValueError(f"components have different factor ranks for {name!r}: {ranks}")
-            full = facs[0].full_rank
-            qb = torch.stack([f.eigvecs_out.double() for f in facs])  # [K, out, rB]
-            qa = torch.stack([f.eigvecs_in.double() for f in facs])  # [K, in, rA]
+            full = all(f.full_rank for f in facs)
+            rank_b = max(f.eigvecs_out.shape[1] for f in facs)
+            rank_a = max(f.eigvecs_in.shape[1] for f in facs)
+            # members truncated to other ranks: pad with zero eigenvectors / eigenvalues, which
+            # add nothing to sum S^2 outer(l_B, l_A) / T (the prior term covers all directions)
+            qb = torch.stack([_pad(f.eigvecs_out.double(), cols=rank_b) for f in facs])
+            qa = torch.stack([_pad(f.eigvecs_in.double(), cols=rank_a) for f in facs])
             pairs = zip(facs, kron, strict=True)
             eig = torch.stack(
-                [f.likelihood_eigvals(c.temperature).double() for f, c in pairs]
+                [
+                    _pad(f.likelihood_eigvals(c.temperature).double(), rank_b, rank_a)
+                    for f, c in pairs
+                ]
             )  # [K, rB, rA]
             mean = means[name].reshape(len(kron), *matrix_shape(shape))  # [K, out, in]
             layer = {

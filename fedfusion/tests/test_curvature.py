@@ -191,6 +191,7 @@ def test_log_density_default_backend_and_truncated_kron(members, data) -> None:
     low = [KronCurvature.from_arrays(c.to_arrays(rank=3), shapes, T, SIGMA2) for c in curvs]
     assert low[0].factors["net.1.weight"].eigvecs_in.shape == (36, 3)
     _check_against_mvn(members[:2], low)
+    _check_against_mvn(members[:2], [curvs[0], low[1]])  # mixed ranks are zero-padded
 
 
 def test_half_precision_eigenvectors_stay_close(members, curvatures) -> None:
@@ -386,3 +387,23 @@ def test_fit_leaves_model_untouched_and_mc_fit_is_seeded(members, data) -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
     assert not hasattr(model, "output_size")
+
+
+def test_lenet_conv_layout_and_last_layer() -> None:
+    """Conv weights are viewed as [out, in*k*k]; diag_full's dense block is LeNet's fc 84->10."""
+    torch.manual_seed(0)
+    model = build_model("lenet", (1, 28, 28), 10)
+    x, y = torch.randn(48, 1, 28, 28), torch.randint(0, 10, (48,))
+    kron = fit_curvature(model, x, y, "kron", batch_size=16)
+    assert list(kron.factors) == [n for n, _ in model.named_parameters()]
+    conv2 = kron.factors["features.3.weight"]
+    assert conv2.eigvecs_out.shape == (16, 16) and conv2.eigvecs_in.shape == (150, 150)
+    assert math.isfinite(kron.precision_logdet())
+    full = fit_curvature(model, x, y, "diag_full", batch_size=16)
+    assert full.last_names == ["classifier.4.weight"]
+    assert full.to_arrays()["classifier.4.weight/ggn_full"].shape == (840, 840)
+    means = [{n: p.detach() for n, p in model.named_parameters()}]
+    w = {n: p[None] + 0.01 for n, p in means[0].items()}
+    for curv in (kron, full):
+        out = StackedGaussians.from_members(means, [curv], "cpu").log_density(w)
+        assert out.shape == (1, 1) and out.dtype == torch.float32 and torch.isfinite(out).all()
