@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
@@ -16,7 +17,7 @@ from fedfusion.strategies.regmean import RegMean
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
     cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion, FedFisher,
-                             FisherMerge)
+                             FisherMerge, Dense)
 }
 
 
@@ -35,6 +36,7 @@ def build_strategy(name: str, context: FusionContext, settings: object) -> Fusio
 
 __all__ = [
     "STRATEGIES",
+    "Dense",
     "FedAvg",
     "FedBEns",
     "FedFisher",
