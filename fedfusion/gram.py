@@ -25,7 +25,7 @@ right size, symmetric, and positive semi-definite up to float32 rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -67,6 +67,20 @@ def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.T
     return rows
 
 
+def forward_with_hooks(model: nn.Module, x: torch.Tensor, hooks: Mapping[nn.Module, Callable],
+                       batch_size: int) -> None:
+    """Run ``model`` over ``x`` in batches with forward ``hooks`` attached to the given
+    modules; the hooks are removed afterwards, also on error."""
+    device = next(model.parameters()).device
+    handles = [module.register_forward_hook(hook) for module, hook in hooks.items()]
+    try:
+        for start in range(0, len(x), batch_size):
+            model(x[start:start + batch_size].to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
                 ) -> dict[str, np.ndarray]:
@@ -85,16 +99,11 @@ def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
             sums[name] = sums[name] + gram if name in sums else gram
         return hook
 
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    handles = [module.register_forward_hook(hook_for(name)) for name, module in layers.items()]
     try:
-        for start in range(0, len(x), batch_size):
-            model(x[start:start + batch_size].to(device))
+        forward_with_hooks(model, x, {m: hook_for(n) for n, m in layers.items()}, batch_size)
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
     missing = sorted(set(layers) - set(sums))
     if missing:

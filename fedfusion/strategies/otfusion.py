@@ -56,7 +56,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from fedfusion.gram import gram_layers
+from fedfusion.gram import forward_with_hooks, gram_layers
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionContext, FusionStrategy
@@ -200,19 +200,13 @@ def layer_activations(model: nn.Module, x: torch.Tensor, chain: Sequence[Layer],
     (float64) of ``model`` on ``x``."""
     modules = gram_layers(model)
     outputs: dict[str, list[torch.Tensor]] = {layer.weight: [] for layer in chain}
-    handles = []
+    hooks = {}
     for layer in chain:
         def hook(module: nn.Module, args: Any, out: torch.Tensor, key: str = layer.weight
                  ) -> None:
             outputs[key].append(out.transpose(0, 1).reshape(out.shape[1], -1).double())
-        handles.append(modules[layer.weight].register_forward_hook(hook))
-    device = next(model.parameters()).device
-    try:
-        for start in range(0, len(x), batch_size):
-            model(x[start:start + batch_size].to(device))
-    finally:
-        for handle in handles:
-            handle.remove()
+        hooks[modules[layer.weight]] = hook
+    forward_with_hooks(model, x, hooks, batch_size)
     return [torch.cat(outputs[layer.weight], dim=1) for layer in chain]
 
 
