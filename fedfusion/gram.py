@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.payload import check_array_names
+
 #: relative asymmetry ``max|G - G^T| / max diag(G)`` above which a Gram is refused
 SYMMETRY_TOL = 1e-5
 #: a Gram is "clearly non-PSD" when ``G + PSD_TOL * max diag(G) * I`` has no Cholesky factor,
@@ -132,12 +134,8 @@ def validate_grams(arrays: Mapping[str, np.ndarray],
     """Raise ValueError naming the array for a missing layer, an unexpected array, a wrong
     shape, a non-symmetric or a clearly non-PSD Gram (see :data:`PSD_TOL`)."""
     sizes = expected_gram_sizes(param_shapes)
-    missing = sorted(set(sizes) - set(arrays))
-    extra = sorted(set(arrays) - set(sizes))
-    if missing:
-        raise ValueError(f"missing Gram(s) for layer(s) {missing}")
-    if extra:
-        raise ValueError(f"unexpected array(s) {extra} (no Linear/Conv2d weight of that name)")
+    check_array_names(arrays, sizes, "missing Gram(s) for layer(s)",
+                      " (no Linear/Conv2d weight of that name)")
     for name, size in sizes.items():
         gram = np.asarray(arrays[name], dtype=np.float64)
         if gram.shape != (size, size):

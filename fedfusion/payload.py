@@ -191,13 +191,20 @@ def validate_upload(
                 raise UploadError(who, f"{where}: {exc}") from exc
 
 
-def _validate_weights(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
-    missing = sorted(set(shapes) - set(arrays))
-    extra = sorted(set(arrays) - set(shapes))
+def check_array_names(arrays: Mapping[str, object], expected: Iterable[str],
+                      missing_label: str = "missing array(s)", extra_hint: str = "") -> None:
+    """Raise ValueError naming the arrays that are missing from, or not expected in, ``arrays``."""
+    expected = set(expected)
+    missing = sorted(expected - set(arrays))
+    extra = sorted(set(arrays) - expected)
     if missing:
-        raise ValueError(f"missing array(s) {missing}")
+        raise ValueError(f"{missing_label} {missing}")
     if extra:
-        raise ValueError(f"unexpected array(s) {extra}")
+        raise ValueError(f"unexpected array(s) {extra}{extra_hint}")
+
+
+def _validate_weights(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
+    check_array_names(arrays, shapes)
     for name, shape in shapes.items():
         if tuple(arrays[name].shape) != tuple(shape):
             raise ValueError(
