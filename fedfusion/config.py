@@ -66,6 +66,8 @@ class Settings:
     server_clip: float = 1.0
     server_eval_every: int = 30
     server_validation: bool = True
+    mixture_prune_margin: float = 50.0
+    mixture_refresh_every: int = 10
     # FedBEns' baselines (issue 5)
     fedfisher_steps: int = 2000
     fedfisher_lr: float = 0.01
@@ -127,7 +129,8 @@ class Settings:
             _check_choice("model", self.model, available_models())
         _check_choice("hessian-structure", self.hessian_structure, ("kron", "diag", "diag_full"))
         for key in ("num-rounds", "num-clients", "num-members", "batch-size", "client-threads",
-                    "eval-batch-size", "curvature-batch-size", "server-eval-every"):
+                    "eval-batch-size", "curvature-batch-size", "server-eval-every",
+                    "mixture-refresh-every"):
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",

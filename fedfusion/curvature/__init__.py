@@ -24,6 +24,7 @@ from fedfusion.curvature.fit import (
 )
 from fedfusion.curvature.kron import KronCurvature
 from fedfusion.curvature.mixture import (
+    MixtureObjective,
     StackedDiag,
     StackedDiagFull,
     StackedGaussians,
@@ -57,6 +58,7 @@ __all__ = [
     "KronCurvature",
     "StackedDiag",
     "StackedDiagFull",
+    "MixtureObjective",
     "StackedGaussians",
     "StackedKron",
     "curvature_from_arrays",

@@ -10,9 +10,11 @@ Lambda_m^c = H_m^c / T + I / sigma^2. The server maximises the global log poster
 
 from R = max_c M_c starting points, run r starting at the per-parameter median over clients
 of member r (Algorithm 1, line 21), with Adam and a per-run gradient-norm clip, the R runs
-batched into one computation, each keeping its best iterate on the server validation set
-(or by objective): see :mod:`fedfusion.strategies.server_optim`. The prediction is the
-ensemble of the R modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)).
+batched into one computation (each client's logsumexp evaluated on the members that carry
+weight at the current point: :class:`~fedfusion.curvature.MixtureObjective`), each keeping
+its best iterate on the server validation set (or by objective): see
+:mod:`fedfusion.strategies.server_optim`. The prediction is the ensemble of the R modes,
+p(y|x) = 1/R sum_r softmax(f(x; w_r)).
 
 Departures from the reference code: the validation set is held out from the training data
 (the reference draws it from the clients' data); the starting iterate (step 0) is a
@@ -29,7 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.curvature import StackedGaussians, curvature_from_arrays, mixture_log_posterior
+from fedfusion.curvature import (
+    MixtureObjective,
+    StackedGaussians,
+    curvature_from_arrays,
+    mixture_log_posterior,
+)
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionContext, FusionStrategy
@@ -56,6 +63,8 @@ class FedBEns(FusionStrategy):
         lr: float = 1e-3,
         clip: float = 1.0,
         eval_every: int = 30,
+        prune_margin: float = 50.0,
+        refresh_every: int = 10,
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__(context, num_clients)
@@ -63,6 +72,8 @@ class FedBEns(FusionStrategy):
         self.required_sections = (WEIGHTS, curvature_section(hessian_structure))
         self.temperature, self.prior_var = temperature, prior_var
         self.dtype = dtype
+        self.prune_margin, self.refresh_every = prune_margin, refresh_every
+        self.mixture: MixtureObjective | None = None
         self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
                                          dtype=dtype, label="fedbens")
 
@@ -71,7 +82,9 @@ class FedBEns(FusionStrategy):
         return cls(context, settings.num_clients, hessian_structure=settings.hessian_structure,
                    temperature=settings.temperature, prior_var=settings.prior_var,
                    steps=settings.server_steps, lr=settings.server_lr, clip=settings.server_clip,
-                   eval_every=settings.server_eval_every)
+                   eval_every=settings.server_eval_every,
+                   prune_margin=settings.mixture_prune_margin,
+                   refresh_every=settings.mixture_refresh_every)
 
     # ------------------------------------------------------------------ posterior
     def build_posterior(self, uploads: Sequence[ClientUpload]) -> tuple[StackedGaussians,
@@ -120,11 +133,14 @@ class FedBEns(FusionStrategy):
         log.info("[fedbens] %d clients, %d components (%s), %d run(s) x %d Adam steps on %s",
                  num_clients, stacked.num_components, self.structure, len(starts),
                  self.optimiser.steps, self.context.device)
-        return self.optimiser.maximise(
-            lambda w: self.objective(w, stacked, owner, num_clients), starts, self.context)
+        # the same objective as self.objective, evaluated on the components that carry weight
+        self.mixture = MixtureObjective(stacked, owner, num_clients, self.prior_var,
+                                        self.prune_margin, self.refresh_every)
+        return self.optimiser.maximise(self.mixture, starts, self.context)
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
+                "mixture": self.mixture.report() if self.mixture is not None else {},
                 **self.optimiser.report()}

@@ -14,6 +14,7 @@ from fedfusion.curvature import (
     DiagCurvature,
     DiagFullCurvature,
     KronCurvature,
+    MixtureObjective,
     StackedGaussians,
     curvature_from_arrays,
     fit_curvature,
@@ -359,6 +360,64 @@ def test_mixture_gradient_matches_finite_differences(members, curvatures) -> Non
         f_minus = mixture_log_posterior(minus, stacked, client_of_component, 2, SIGMA2).sum()
         numeric = (f_plus - f_minus) / (2 * eps)
         assert w[name].grad[index].item() == pytest.approx(numeric.item(), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_pair_log_densities_equal_the_full_grid(structure, members, curvatures) -> None:
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures[structure], "cpu",
+                                            max_chunk_bytes=4096)  # forces several chunks
+    w = points(members[0], 3, 0.05, seed=11)
+    full = stacked.log_density(w)  # [3, 4]
+    runs, comps = torch.tensor([2, 0, 1, 2]), torch.tensor([3, 1, 1, 0])
+    torch.testing.assert_close(stacked.log_density_pairs(w, runs, comps), full[runs, comps],
+                               rtol=1e-12, atol=1e-9)
+
+
+def test_pruned_mixture_objective_is_exact_up_to_the_dropped_weight(members, curvatures) -> None:
+    """Dropping components g nats below their client's best changes client c's logsumexp by
+    log(1 + sum_dropped e^-g) <= (M_c - 1) e^-g_min; a margin covering every gap changes
+    nothing, values and gradients alike."""
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures["kron"], "cpu")
+    owner = torch.tensor([0, 1, 1, 1])  # M_c = (1, 3)
+    w = {n: v.requires_grad_(True) for n, v in points(members[2], 2, 0.02, seed=12).items()}
+    full = mixture_log_posterior(w, stacked, owner, 2, SIGMA2)
+    (full_grad,) = torch.autograd.grad(full.sum(), [w["net.1.weight"]])
+
+    tight = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e-6)
+    pruned = tight(w)
+    assert tight.report()["active_pairs"] == [4]  # one member per client and run
+    gap = tight.min_excluded_gap
+    assert 0 < gap < math.inf
+    assert torch.all(full - pruned >= -1e-9)
+    assert torch.all(full - pruned <= 2 * math.exp(-gap) + 1e-9)
+
+    wide = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e12)
+    (wide_grad,) = torch.autograd.grad(wide(w).sum(), [w["net.1.weight"]])
+    torch.testing.assert_close(wide(w), full, rtol=0, atol=0)
+    torch.testing.assert_close(wide_grad, full_grad, rtol=0, atol=0)
+    assert wide.report()["active_pairs"] == [8]
+
+
+def test_pruned_objective_refreshes_its_active_set(members, curvatures) -> None:
+    """The active set follows the points: moving a run onto another member of client 1 makes
+    that member the active one at the next refresh."""
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures["diag"], "cpu")
+    owner = torch.tensor([0, 1, 1, 1])
+    objective = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e-6, refresh_every=2)
+    near = {name: torch.stack([p.detach(), members[3].get_parameter(name).detach()])
+            for name, p in members[1].named_parameters()}
+    objective(near)
+    assert objective.active[0].tolist() == [True, True, False, False]
+    assert objective.active[1].tolist() == [True, False, False, True]
+    swapped = {name: v.flip(0) for name, v in near.items()}
+    objective(swapped)  # call 2: no refresh yet, the stale set is used
+    assert objective.active[0].tolist() == [True, True, False, False]
+    objective(swapped)  # call 3: refreshed
+    assert objective.active[0].tolist() == [True, False, False, True]
+    assert objective.set_changes == 1
 
 
 def test_mixture_rejects_client_without_component(members, curvatures) -> None:

@@ -80,6 +80,23 @@ def test_batched_runs_equal_separate_runs():
             torch.testing.assert_close(together[r][name], alone[name], rtol=1e-9, atol=1e-10)
 
 
+def test_pruned_and_full_mixture_give_the_same_modes():
+    """Pruning members that carry no weight (FedBEns' default) leaves the optimisation as it
+    is: the same modes as evaluating every member at every step."""
+    uploads = [tiny_upload(c, "kron", seed=c, members=3) for c in range(2)]
+    modes = {}
+    for margin in (50.0, 0.0):
+        strategy = FedBEns(FusionContext(TINY), 2, steps=40, lr=0.01, eval_every=10,
+                           prune_margin=margin, refresh_every=5, dtype=torch.float64)
+        stacked, owner = strategy.build_posterior(uploads)
+        modes[margin] = strategy.optimise(strategy.starting_points(uploads), stacked, owner, 2)
+        if margin:  # the tiny members are > 50 nats apart: one member per client is evaluated
+            assert strategy.mixture.report()["active_pairs"] == [3 * 2]
+    for pruned, full in zip(modes[50.0], modes[0.0], strict=True):
+        for name in full:
+            torch.testing.assert_close(pruned[name], full[name], rtol=1e-12, atol=1e-12)
+
+
 def test_starting_point_is_the_per_parameter_median():
     uploads = [tiny_upload(c, "diag", seed=c, members=1) for c in range(3)]
     (start,) = FedBEns.starting_points(uploads)
