@@ -1,27 +1,206 @@
-"""FedBEns against the paper (issue 4 benchmark), from one live client run per (alpha, seed).
+"""FedBEns and its baselines against the paper (issues 4 and 5), all from ONE client run per
+(alpha, seed).
 
 FMNIST, LeNet, C=5, M=5, Kron Laplace (T=0.1, sigma^2=0.1), 20 local epochs. For each
-(alpha, seed): one live `flwr run` of FedBEns (with the server validation set) that saves
-the uploads; then replays of the SAME uploads: FedBEns without validation, FedBEns with
-M = 1..4, and the uniform ensemble and FedAvg baselines. Prints a table, saves
-benchmarks/results/fedbens.json.
+(alpha, seed): one live `flwr run` of FedBEns (with the server validation set) whose clients
+also compute the diagonal curvature and RegMean's Gram matrices (``extra-sections``; plus
+the diag + full-last-layer curvature at the ``--structure-alphas``), saving the uploads.
+Then replays of the SAME uploads:
 
-    .venv/bin/python benchmarks/fedbens.py --alphas 0.1,0.4 --seeds 0
+* FedBEns without validation, FedBEns with M = 1..4 (the first M members of every client),
+  FedBEns with diag / diag_full curvature (at the structure alphas);
+* the uniform ensemble of all C x M members;
+* the paper's one-model-per-client baselines on member 0 of every client: FedAvg,
+  FedFisher (K-FAC and diag), RegMean, Fisher merging, OTFusion, DENSE.
+
+A replay that already finished is reused, so the script can be stopped and resumed. Prints
+the accuracy table (mean +- sd over seeds) and the cost table (paper Table 4: client and
+server seconds, upload MB per client, per method), saves benchmarks/results/fedbens.json.
+
+    .venv/bin/python benchmarks/fedbens.py --alphas 0.05,0.1,0.2,0.4 --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
+from pathlib import Path
 
 from common import REPO, live_run
 
 from fedfusion.config import Settings  # noqa: E402
-from fedfusion.curvature import STRUCTURES  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
+from fedfusion.upload_store import load_uploads  # noqa: E402
 
-PAPER_TABLE1 = {0.05: 59.89, 0.1: 75.91, 0.2: 79.03, 0.4: 84.42}
+RESULTS = REPO / "benchmarks" / "results" / "fedbens.json"
+
+#: paper Table 1 (FMNIST, with validation), alpha 0.05 / 0.1 / 0.2 / 0.4
+PAPER = {
+    "fedbens": (59.89, 75.91, 79.03, 84.42),
+    "fedfisher_kron": (53.92, 68.06, 72.89, 74.76),
+    "regmean": (48.04, 56.40, 71.43, 74.45),
+    "dense": (38.48, 47.16, 69.07, 77.91),
+    "otfusion": (37.26, 43.54, 57.06, 67.29),
+    "fisher_merge": (43.11, 57.38, 66.89, 78.16),
+}
+PAPER_ALPHAS = (0.05, 0.1, 0.2, 0.4)
+
+#: method -> (run-config changes of the replay, upload sections it needs, members it uses)
+BASELINES: dict[str, tuple[dict[str, object], tuple[str, ...], int]] = {
+    "ensemble": ({"strategy": "ensemble"}, (), 0),
+    "fedavg": ({"strategy": "fedavg"}, (), 1),
+    "fedfisher_kron": ({"strategy": "fedfisher", "hessian_structure": "kron"},
+                       ("curvature.kron",), 1),
+    "fedfisher_diag": ({"strategy": "fedfisher", "hessian_structure": "diag"},
+                       ("curvature.diag",), 1),
+    "regmean": ({"strategy": "regmean"}, ("gram",), 1),
+    "fisher_merge": ({"strategy": "fisher-merge"}, ("curvature.diag",), 1),
+    "otfusion": ({"strategy": "otfusion"}, (), 1),
+    "dense": ({"strategy": "dense"}, (), 1),
+}
+LABELS = {
+    "fedbens": "FedBEns (Kron, validation)", "fedbens_noval": "FedBEns (Kron, no validation)",
+    "fedbens_diag": "FedBEns (diag)", "fedbens_diag_full": "FedBEns (diag + full last layer)",
+    "ensemble": "uniform ensemble (C x M members)", "fedavg": "FedAvg (member 0)",
+    "fedfisher_kron": "FedFisher K-FAC", "fedfisher_diag": "FedFisher diag",
+    "regmean": "RegMean", "fisher_merge": "Fisher merging", "otfusion": "OTFusion",
+    "dense": "DENSE",
+}
+
+
+def replay(out: str, name: str, tag: str, **changes: object) -> dict:
+    """Replay the cached uploads of run ``name`` into a strategy, reusing a finished replay."""
+    folder = Path(out) / f"{name}-{tag}"
+    done = folder / "results.json"
+    if done.is_file():
+        results = json.loads(done.read_text())
+        if results.get("status") == "ok":
+            return results
+    try:
+        return run_server(Settings(output_dir=out, run_name=f"{name}-{tag}",
+                                   replay=f"{out}/{name}/uploads", **changes))
+    except Exception as exc:  # a failed replay is recorded, never fatal to the table
+        print(f"replay {name}-{tag} failed: {type(exc).__name__}: {exc}")
+        return {"status": "failed", "error": str(exc)}
+
+
+def summary(results: dict) -> dict:
+    if results.get("status") != "ok":
+        return {"accuracy": math.nan, "nll": math.nan, "server_s": math.nan,
+                "error": results.get("error")}
+    return {"accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"],
+            "server_s": results["timing"]["server_fuse_s"]}
+
+
+def section_mb(uploads_dir: str) -> dict[str, float]:
+    """Mean upload MB per client and member, per section."""
+    _, uploads = load_uploads(uploads_dir)
+    sizes: dict[str, list[float]] = {}
+    for upload in uploads:
+        for member in upload.members:
+            for section, arrays in member.items():
+                sizes.setdefault(section, []).append(
+                    sum(a.nbytes for a in arrays.values()) / 1e6)
+    return {s: statistics.mean(v) for s, v in sizes.items()}
+
+
+def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict:
+    name = f"a{alpha:g}-s{seed}"
+    with_structures = f"{alpha:g}" in args.structure_alphas.split(",")
+    extra = ["curvature.diag", "gram"] + (["curvature.diag_full"] if with_structures else [])
+    start = time.perf_counter()
+    live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
+                    f"num-members={args.members} local-epochs={args.epochs} "
+                    f"hessian-structure=kron extra-sections='{','.join(extra)}'", args.out, name)
+    clients = live["clients"]
+    members = sum(c["num_members"] for c in clients)
+    row: dict = {
+        "alpha": alpha, "seed": seed, "live_wall_s": live["timing"]["wall_s"],
+        "client_train_s_sum": live["timing"]["client_train_s_sum"],
+        # per member, summed over clients' members then divided: the cost of one member
+        "train_s_per_member": live["timing"]["client_train_s_sum"] / members,
+        "section_s_per_member": {
+            sec: sum(c["section_time_s"].get(sec, 0.0) for c in clients) / members
+            for sec in clients[0]["section_time_s"]},
+        "section_mb_per_member": section_mb(f"{args.out}/{name}/uploads"),
+        "methods": {"fedbens": summary(live)},
+    }
+    row["fit_over_train"] = (row["section_s_per_member"]["curvature.kron"]
+                             / row["train_s_per_member"])
+    row["methods"]["fedbens"]["mixture"] = live["strategy_report"].get("mixture", {})
+    methods = row["methods"]
+    methods["fedbens_noval"] = summary(replay(args.out, name, "noval", strategy="fedbens",
+                                              server_validation=False))
+    for m in range(1, args.members):
+        methods[f"fedbens_m{m}"] = summary(replay(args.out, name, f"m{m}", strategy="fedbens",
+                                                  replay_members=m))
+    if with_structures:
+        for structure in ("diag", "diag_full"):
+            methods[f"fedbens_{structure}"] = summary(replay(
+                args.out, name, structure, strategy="fedbens", hessian_structure=structure))
+    for method, (changes, _, used) in BASELINES.items():
+        if method == "dense":
+            changes = {**changes, "dense_epochs": args.dense_epochs}
+        methods[method] = summary(replay(args.out, name, method, replay_members=used,
+                                         **changes))
+    row["bench_wall_s"] = time.perf_counter() - start
+    return row
+
+
+def fmt(values: list[float]) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{100 * values[0]:.2f} (1 seed)"
+    return f"{100 * statistics.mean(values):.2f} +- {100 * statistics.stdev(values):.2f}"
+
+
+def print_tables(rows: list[dict], members: int) -> None:
+    alphas = sorted({r["alpha"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    print(f"\nTest accuracy (%), FMNIST, LeNet, C=5, mean +- sd over seeds {seeds}; "
+          "paper Table 1 in brackets")
+    print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+    print("|---|" + "---|" * len(alphas))
+    methods = ["fedbens", "fedbens_noval", *[f"fedbens_m{m}" for m in range(1, members)],
+               "fedbens_diag", "fedbens_diag_full", *BASELINES]
+    for method in methods:
+        cells = []
+        for alpha in alphas:
+            values = [r["methods"][method]["accuracy"] for r in rows
+                      if r["alpha"] == alpha and method in r["methods"]]
+            paper = PAPER.get(method)
+            ref = (f" [{paper[PAPER_ALPHAS.index(alpha)]}]"
+                   if paper and alpha in PAPER_ALPHAS else "")
+            cells.append(fmt(values) + ref)
+        if any(c.split(" [")[0] != "-" for c in cells):
+            label = LABELS.get(method, f"FedBEns, M = {method.removeprefix('fedbens_m')}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+    print("\nCost per client (paper Table 4 setting), mean over all runs: client seconds = "
+          "training + statistics of the members a method uses; server seconds = fusion")
+    print("| method | client s | server s | upload MB per client |")
+    print("|---|---|---|---|")
+    train = statistics.mean(r["train_s_per_member"] for r in rows)
+    sec_s = {s: statistics.mean(r["section_s_per_member"].get(s, 0.0) for r in rows)
+             for s in rows[0]["section_s_per_member"]}
+    sec_mb = {s: statistics.mean(r["section_mb_per_member"].get(s, 0.0) for r in rows)
+              for s in rows[0]["section_mb_per_member"]}
+    costs = {"fedbens": (("curvature.kron",), members),
+             **{m: (secs, used or members) for m, (_, secs, used) in BASELINES.items()}}
+    for method, (sections, used) in costs.items():
+        client = used * (train + sum(sec_s.get(s, 0.0) for s in sections))
+        upload = used * (sec_mb["weights"] + sum(sec_mb.get(s, 0.0) for s in sections))
+        server = [r["methods"][method]["server_s"] for r in rows]
+        server = [v for v in server if not math.isnan(v)]
+        print(f"| {LABELS[method]} | {client:.1f} | "
+              f"{statistics.mean(server) if server else math.nan:.1f} | {upload:.2f} |")
+    print("\nKron fit / local training time: "
+          + ", ".join(f"{100 * r['fit_over_train']:.1f}%" for r in rows))
 
 
 def main() -> None:
@@ -30,75 +209,25 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--structure", default="kron")
-    parser.add_argument("--curve-alphas", default="0.1",
-                        help="alphas that also get the M = 1..M-1 and structure replays")
+    parser.add_argument("--structure-alphas", default="0.1",
+                        help="alphas whose clients also fit diag_full (Kron/diag/diag_full)")
+    parser.add_argument("--dense-epochs", type=int, default=200)
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-fedbens"))
+    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--tables-only", action="store_true",
+                        help="print the tables of the saved results and exit")
     args = parser.parse_args()
-    rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for alpha in (float(a) for a in args.alphas.split(",")):
-            name = f"a{alpha:g}-s{seed}"
-            extra = ",".join(f"curvature.{s}" for s in STRUCTURES if s != args.structure)
-            start = time.perf_counter()
-            live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
-                            f"num-members={args.members} local-epochs={args.epochs} "
-                            f"hessian-structure={args.structure} "
-                            f"extra-sections='{extra}'", args.out, name)
-            row = {"alpha": alpha, "seed": seed, "structure": args.structure,
-                   "wall_s": time.perf_counter() - start,
-                   "fedbens_val": live["test"]["accuracy"], "fedbens_val_nll": live["test"]["nll"],
-                   "client_train_s_sum": live["timing"]["client_train_s_sum"],
-                   "client_fit_s_sum": sum(c["section_time_s"][f"curvature.{args.structure}"]
-                                           for c in live["clients"]),
-                   "server_fuse_s": live["timing"]["server_fuse_s"],
-                   "upload_mb_per_client": live["clients"][0]["upload_mb"]}
-            row["fit_over_train"] = row["client_fit_s_sum"] / row["client_train_s_sum"]
-            uploads = f"{args.out}/{name}/uploads"
-
-            def replay(tag: str, name: str = name, uploads: str = uploads,
-                       **changes: object) -> dict:
-                settings = {"hessian_structure": args.structure, **changes}
-                try:
-                    return run_server(Settings(output_dir=args.out, run_name=f"{name}-{tag}",
-                                               replay=uploads, **settings))
-                except RuntimeError as exc:  # e.g. no upload carries that section
-                    print(f"replay {tag} failed: {exc}")
-                    return {"test": {"accuracy": float("nan")}}
-            row["fedbens_noval"] = replay("noval", strategy="fedbens",
-                                          server_validation=False)["test"]["accuracy"]
-            extras = f"{alpha:g}" in args.curve_alphas.split(",")
-            row["fedbens_by_m"] = {} if not extras else {
-                m: replay(f"m{m}", strategy="fedbens", replay_members=m)["test"]["accuracy"]
-                for m in range(1, args.members)}
-            row["fedbens_by_m"][args.members] = row["fedbens_val"]
-            row["by_structure"] = {} if not extras else {
-                s: replay(s, strategy="fedbens", hessian_structure=s)["test"]["accuracy"]
-                for s in STRUCTURES if s != args.structure}
-            row["by_structure"][args.structure] = row["fedbens_val"]
-            row["ensemble"] = replay("ensemble", strategy="ensemble")["test"]["accuracy"]
-            row["fedavg"] = replay("fedavg", strategy="fedavg",
-                                   replay_members=1)["test"]["accuracy"]
-            rows.append(row)
-            (REPO / "benchmarks" / "results" / "fedbens.json").write_text(
-                json.dumps(rows, indent=1))
-    print("\n| alpha | seed | FedBEns (val) | FedBEns (no val) | paper T1 | ensemble | FedAvg "
-          "| fit/train | server s | upload MB/client |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['alpha']:g} | {r['seed']} | {100 * r['fedbens_val']:.2f} "
-              f"| {100 * r['fedbens_noval']:.2f} | {PAPER_TABLE1.get(r['alpha'], float('nan'))} "
-              f"| {100 * r['ensemble']:.2f} | {100 * r['fedavg']:.2f} "
-              f"| {100 * r['fit_over_train']:.1f}% | {r['server_fuse_s']:.1f} "
-              f"| {r['upload_mb_per_client']:.2f} |")
-    print("\nStructure (accuracy %, same members):")
-    for r in rows:
-        per = " ".join(f"{s}:{100 * v:.2f}" for s, v in sorted(r["by_structure"].items()))
-        print(f"  alpha {r['alpha']:g} seed {r['seed']}: {per}")
-    print("\nM curve (accuracy %):")
-    for r in rows:
-        curve = " ".join(f"M={m}:{100 * v:.2f}" for m, v in sorted(r["fedbens_by_m"].items()))
-        print(f"  alpha {r['alpha']:g} seed {r['seed']}: {curve}")
+    results = Path(args.results)
+    rows = json.loads(results.read_text()) if results.is_file() else []
+    rows = [r for r in rows if "methods" in r]  # rows of this script's format
+    if not args.tables_only:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for alpha in (float(a) for a in args.alphas.split(",")):
+                row = run_cell(alpha, seed, args)
+                rows = [r for r in rows if (r["alpha"], r["seed"]) != (alpha, seed)] + [row]
+                results.write_text(json.dumps(rows, indent=1))
+                print_tables(rows, args.members)
+    print_tables(rows, args.members)
 
 
 if __name__ == "__main__":
