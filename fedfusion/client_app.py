@@ -141,8 +141,9 @@ def run_client(
         with ExitStack() as stack:
             terms = loss_terms(model, objective, previous[m] if m < len(previous) else None,
                                stack)
-            contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
             stats = train_local(model, x, y, train_config, seed, terms)
+        kinds = [type(t).__name__ for t in terms]
+        contrastive_members += "ContrastiveTerm" in kinds
         member: dict[str, NumpyDict] = {}
         for section in [*sections, *optional]:
             if section in failed:
@@ -159,9 +160,9 @@ def run_client(
             section_s[section] += time.perf_counter() - start
         members.append(member)
         train_s += stats.seconds
-        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f",
+        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
-                 stats.samples_per_s, stats.final_loss)
+                 stats.samples_per_s, stats.final_loss, f" (+ {', '.join(kinds)})" * bool(kinds))
     for member in members:  # every member carries the same sections
         for section in failed:
             member.pop(section, None)
