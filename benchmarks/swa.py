@@ -170,7 +170,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             mean = [100 * statistics.mean(c[i] for c in curves) for i in range(len(curves[0]))]
             ax.plot(range(1, len(mean) + 1), mean, marker="o", label=label)
         ax.set(title=f"FMNIST, 10 clients, Dir(0.5), {title}", xlabel="round",
-               ylabel="test accuracy % (mean of seeds)")
+               ylabel="test accuracy % (mean of seeds)", xticks=range(1, len(mean) + 1))
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
