@@ -136,7 +136,7 @@ def markdown(rows: list[dict[str, Any]], seeds: list[int], wall_s: float) -> str
     best = max(labels, key=lambda k: mean_sd(select(rows, "table1", k))[0])
     for label in labels:
         lines.append(f"| {label} | {cell(select(rows, 'table1', label), label == best)} | "
-                     f"{PAPER_TABLE1.get(label, PAPER_TABLE2[(0.3, 0.3, 0.3)][0])} |")
+                     f"{PAPER_TABLE1.get(label, PAPER_TABLE2[(0.3, 0.3, 0.3)][0] + ' (T. II)')} |")
     lines += ["", f"Table II: unequal splits, 3 clients, LeNet, no size weighting. {budget}.",
               "", "| split (paper) | our pool fractions | simple averaging | SWA (hos) | "
               "paper simple / SWA |", "|---|---|---|---|---|"]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -59,8 +59,9 @@ class LocalObjective:
     contrastive_temperature: float = 0.5
 
     #: train-config key -> field
-    KEYS = {"prox-mu": "prox_mu", "contrastive-weight": "contrastive_weight",
-            "contrastive-temperature": "contrastive_temperature"}
+    KEYS: ClassVar[dict[str, str]] = {
+        "prox-mu": "prox_mu", "contrastive-weight": "contrastive_weight",
+        "contrastive-temperature": "contrastive_temperature"}
 
     def __post_init__(self) -> None:
         for key, name in self.KEYS.items():
@@ -142,8 +143,8 @@ def run_client(
             terms = loss_terms(model, objective, previous[m] if m < len(previous) else None,
                                stack)
             stats = train_local(model, x, y, train_config, seed, terms)
-        kinds = [type(t).__name__ for t in terms]
-        contrastive_members += "ContrastiveTerm" in kinds
+        contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
+        extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
         member: dict[str, NumpyDict] = {}
         for section in [*sections, *optional]:
             if section in failed:
@@ -162,7 +163,7 @@ def run_client(
         train_s += stats.seconds
         log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
-                 stats.samples_per_s, stats.final_loss, f" (+ {', '.join(kinds)})" * bool(kinds))
+                 stats.samples_per_s, stats.final_loss, extra)
     for member in members:  # every member carries the same sections
         for section in failed:
             member.pop(section, None)
