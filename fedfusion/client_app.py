@@ -4,25 +4,37 @@ The same ClientApp runs in a simulation (one Ray actor per SuperNode) and on a r
 SuperNode. Node config may override a few run-config keys per client (for example
 ``flower-supernode --node-config "partition-id=0 num-partitions=5 num-members=3"``):
 see :data:`NODE_OVERRIDES`.
+
+The local objective is the cross-entropy, plus what the server's train config asks for
+(:class:`LocalObjective`): FedProx's proximal term to the received global model
+(``prox-mu``) and MOON's model-contrastive term (``contrastive-weight``,
+``contrastive-temperature``). The contrastive term needs the client's model of its previous
+round: the ClientApp keeps it in ``context.state``, which Flower persists per node across
+the rounds of a run (:func:`handle_train`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from flwr.app import Context, Message
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
 from fedfusion.config import Settings
+from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.federation import federated_split
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.predictors import ModelSpec
-from fedfusion.training import TrainConfig, train_local
+from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local
 from fedfusion.uploads import build_section
 
 log = logging.getLogger("fedfusion")
@@ -38,6 +50,55 @@ def default_model(settings: Settings, input_shape: Sequence[int]) -> str:
     return settings.model or ("lenet" if input_shape[0] == 1 else "cnn")
 
 
+@dataclass(frozen=True)
+class LocalObjective:
+    """The client-side loss terms a strategy asks for in the train config (0 = off)."""
+
+    prox_mu: float = 0.0
+    contrastive_weight: float = 0.0
+    contrastive_temperature: float = 0.5
+
+    #: train-config key -> field
+    KEYS: ClassVar[dict[str, str]] = {
+        "prox-mu": "prox_mu", "contrastive-weight": "contrastive_weight",
+        "contrastive-temperature": "contrastive_temperature"}
+
+    def __post_init__(self) -> None:
+        for key, name in self.KEYS.items():
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"train config {key!r} must be a finite number >= 0, got {value}")
+        if self.contrastive_temperature == 0:
+            raise ValueError("train config 'contrastive-temperature' must be > 0")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> LocalObjective:
+        values = {}
+        for key, name in cls.KEYS.items():
+            if key in config:
+                value = config[key]
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"train config {key!r} must be a number, got {value!r}")
+                values[name] = float(value)
+        return cls(**values)
+
+
+def loss_terms(model: nn.Module, objective: LocalObjective, previous: NumpyDict | None,
+               stack: ExitStack) -> list[LossTerm]:
+    """The objective's terms for ``model``, which holds the received global weights now.
+
+    The contrastive term is left out without a previous model of the same architecture."""
+    terms: list[LossTerm] = []
+    if objective.prox_mu > 0:
+        terms.append(ProximalTerm(model, objective.prox_mu))
+    if objective.contrastive_weight > 0 and previous is not None and _same_shapes(
+            previous, model.state_dict()):
+        terms.append(stack.enter_context(ContrastiveTerm(
+            model, model.state_dict(), previous, objective.contrastive_weight,
+            objective.contrastive_temperature)))
+    return terms
+
+
 def member_seed(settings: Settings, client_id: int, member: int, server_round: int) -> int:
     return (settings.seed * 1_000_003 + server_round * 10_007 + client_id * 101 + member) % 2**62
 
@@ -49,11 +110,15 @@ def run_client(
     sections: Sequence[str] = (WEIGHTS,),
     server_round: int = 1,
     optional_sections: Sequence[str] = (),
+    objective: LocalObjective = LocalObjective(),
+    previous: Sequence[NumpyDict] = (),
 ) -> ClientUpload:
     """Train ``settings.num_members`` members and compute the requested upload sections.
 
     A failing ``optional_sections`` entry (asked for replays by other strategies) is left out
-    of the upload with a warning; a failing required section fails the client."""
+    of the upload with a warning; a failing required section fails the client.
+    ``previous[m]`` is member m's model after this client's previous round (for the
+    contrastive term of ``objective``)."""
     torch.set_num_threads(settings.client_threads)
     split = federated_split(settings)
     x, y = split.client_data(client_id)
@@ -67,13 +132,19 @@ def run_client(
     optional = [s for s in optional_sections if s not in sections]
     section_s = dict.fromkeys([*sections, *optional], 0.0)
     failed: dict[str, str] = {}
+    contrastive_members = 0
     for m in range(settings.num_members):
         seed = member_seed(settings, client_id, m, server_round)
         torch.manual_seed(seed)
         model = spec.build()
         if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
             model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
-        stats = train_local(model, x, y, train_config, seed)
+        with ExitStack() as stack:
+            terms = loss_terms(model, objective, previous[m] if m < len(previous) else None,
+                               stack)
+            stats = train_local(model, x, y, train_config, seed, terms)
+        contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
+        extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
         member: dict[str, NumpyDict] = {}
         for section in [*sections, *optional]:
             if section in failed:
@@ -90,9 +161,9 @@ def run_client(
             section_s[section] += time.perf_counter() - start
         members.append(member)
         train_s += stats.seconds
-        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f",
+        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
-                 stats.samples_per_s, stats.final_loss)
+                 stats.samples_per_s, stats.final_loss, extra)
     for member in members:  # every member carries the same sections
         for section in failed:
             member.pop(section, None)
@@ -107,6 +178,8 @@ def run_client(
             "stats-time-s": sum(section_s.values()),
             **{f"time-s/{section}": t for section, t in section_s.items()},
             "class-histogram": [int(v) for v in split.histogram[client_id]],
+            **({"contrastive-members": contrastive_members}
+               if objective.contrastive_weight > 0 else {}),
         },
     )
 
@@ -120,14 +193,36 @@ def settings_for_node(run_config: Mapping[str, Any], node_config: Mapping[str, A
     return Settings.from_mapping({**run_config, **overrides})
 
 
+def previous_key(member: int) -> str:
+    """Where ``context.state`` keeps member ``member``'s model of the previous round."""
+    return f"fedfusion.previous.m{member}"
+
+
+def handle_train(settings: Settings, client_id: int, content: RecordDict, state: RecordDict
+                 ) -> RecordDict:
+    """One train message -> the upload; keeps the trained members in ``state`` when the
+    contrastive term needs them next round. Shared by the ClientApp and the in-process grid."""
+    config = content["config"]
+    objective = LocalObjective.from_config(config)
+    contrastive = objective.contrastive_weight > 0
+    previous = []
+    while contrastive and previous_key(len(previous)) in state:
+        previous.append({k: v.numpy() for k, v in state[previous_key(len(previous))].items()})
+    upload = run_client(settings, client_id, decode_models(content["arrays"]),
+                        list(config.get("sections", [WEIGHTS])),
+                        int(config.get("server-round", 1)),
+                        list(config.get("optional-sections", [])), objective, previous)
+    if contrastive:
+        for m in range(upload.num_members):
+            state[previous_key(m)] = ArrayRecord(
+                {k: Array(np.ascontiguousarray(v)) for k, v in upload.weights(m).items()})
+    return encode_upload(upload)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Flower entry point: one round of local training and the upload."""
     settings = settings_for_node(context.run_config, context.node_config)
     client_id = int(context.node_config["partition-id"])
-    config = msg.content["config"]
-    sections = list(config.get("sections", [WEIGHTS]))
-    upload = run_client(settings, client_id, decode_models(msg.content["arrays"]), sections,
-                        int(config.get("server-round", 1)),
-                        list(config.get("optional-sections", [])))
-    return Message(content=encode_upload(upload), reply_to=msg)
+    return Message(content=handle_train(settings, client_id, msg.content, context.state),
+                   reply_to=msg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -83,6 +84,12 @@ class Settings:
     dense_s_steps: int = 5
     dense_adv_weight: float = 1.0
     dense_act_weight: float = 0.1
+    # SWA and its baselines (issue 6)
+    swa_distance: str = "hos"
+    swa_size_weighting: bool = False
+    prox_mu: float = 0.01
+    contrastive_weight: float = 0.0
+    contrastive_temperature: float = 0.5
     # outputs
     output_dir: str = ""
     run_name: str = ""
@@ -144,10 +151,22 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
             raise ConfigError("run-config 'server-device' must be 'auto', 'cpu' or 'cuda[:i]'")
+        self._validate_swa()
         self.parsed_model_kwargs()
         self.parsed_labels_per_client()
         self.parsed_fractions()
         self.parsed_replay_clients()
+
+    def _validate_swa(self) -> None:
+        from fedfusion.strategies.swa import SWA_DISTANCES
+
+        _check_choice("swa-distance", self.swa_distance, SWA_DISTANCES)
+        for key in ("prox-mu", "contrastive-weight"):
+            value = getattr(self, key.replace("-", "_"))
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"run-config {key!r} must be a finite number >= 0")
+        if not (self.contrastive_temperature > 0 and math.isfinite(self.contrastive_temperature)):
+            raise ConfigError("run-config 'contrastive-temperature' must be > 0")
 
     def parsed_model_kwargs(self) -> dict[str, Any]:
         if not self.model_kwargs:

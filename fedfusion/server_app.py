@@ -215,6 +215,9 @@ def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
         "section_time_s": {k.removeprefix("time-s/"): float(v) for k, v in u.metrics.items()
                            if k.startswith("time-s/")},
         "upload_mb": u.nbytes / 1e6,
+        # members trained with the contrastive term (absent when it was off)
+        **({"contrastive_members": int(u.metrics["contrastive-members"])}
+           if "contrastive-members" in u.metrics else {}),
     } for u in uploads]
 
 

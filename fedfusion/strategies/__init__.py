@@ -11,14 +11,17 @@ from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fedfisher import FedFisher
+from fedfusion.strategies.fedprox import FedProx
 from fedfusion.strategies.fisher_merge import FisherMerge
 from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.strategies.regmean import RegMean
+from fedfusion.strategies.swa import StatisticalWeightAggregation
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
     cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion, FedFisher,
                              FisherMerge, Dense)
 }
+STRATEGIES.update({cls.name: cls for cls in (FedProx, StatisticalWeightAggregation)})
 
 
 def available_strategies() -> list[str]:
@@ -31,6 +34,10 @@ def build_strategy(name: str, context: FusionContext, settings: object) -> Fusio
     strategy = STRATEGIES[name].from_settings(context, settings)
     extra = getattr(settings, "extra_sections", "")
     strategy.extra_sections = tuple(s for s in extra.split(",") if s)
+    if getattr(settings, "contrastive_weight", 0.0) > 0:  # MOON-style clients, any strategy
+        strategy.client_config.update({
+            "contrastive-weight": settings.contrastive_weight,
+            "contrastive-temperature": settings.contrastive_temperature})
     return strategy
 
 
@@ -40,11 +47,13 @@ __all__ = [
     "FedAvg",
     "FedBEns",
     "FedFisher",
+    "FedProx",
     "FisherMerge",
     "FusionContext",
     "FusionStrategy",
     "OTFusion",
     "RegMean",
+    "StatisticalWeightAggregation",
     "UniformEnsemble",
     "available_strategies",
     "build_strategy",

@@ -93,6 +93,10 @@ class FusionStrategy(Strategy, ABC):
         self.min_valid_uploads = min_valid_uploads
         #: sections asked of the clients beyond ``required_sections`` (kept for replays)
         self.extra_sections: tuple[str, ...] = ()
+        #: entries added to every round's train config: the client-side objective
+        #: (``prox-mu``, ``contrastive-weight``, ``contrastive-temperature``, read by the
+        #: ClientApp, see :class:`fedfusion.client_app.LocalObjective`)
+        self.client_config: dict[str, float] = {}
         self.uploads: list[ClientUpload] = []
         self.exclusions: list[dict[str, Any]] = []
         self.predictor: nn.Module | None = None
@@ -168,6 +172,8 @@ class FusionStrategy(Strategy, ABC):
         node_ids, _ = sample_nodes(grid, self.num_clients, self.num_clients)
         config["server-round"] = server_round
         config["sections"] = list(self.required_sections)
+        for key, value in self.client_config.items():
+            config[key] = value
         optional = [s for s in self.extra_sections if s not in self.required_sections]
         if optional:
             config["optional-sections"] = optional

@@ -4,29 +4,47 @@ For every member index m: w_m = sum_c n_c w_{c,m} / sum_c n_c over the clients c
 uploaded member m, with n_c the client's number of training examples. With M = 1 this is
 plain FedAvg; with M > 1 it averages each initialisation separately and predicts with the
 ensemble of the M averages.
+
+Strategies that only change the averaging weights (FedProx, SWA) subclass :class:`FedAvg`
+and override :meth:`FedAvg.member_average`; :func:`weighted_average` takes one weight per
+client, or per parameter one weight per client (layer-wise averaging).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from torch import nn
 
-from fedfusion.payload import ClientUpload
+from fedfusion.payload import ClientUpload, NumpyDict
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 
+#: one weight per client, or per parameter name one weight per client
+AverageWeights = Sequence[float] | Mapping[str, Sequence[float]]
 
-def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
+
+def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: AverageWeights
                      ) -> dict[str, np.ndarray]:
-    """sum_i weights_i * arrays_i / sum_i weights_i, parameter by parameter (in float64)."""
-    total = float(sum(weights))
-    return {
-        name: (sum(w * a[name].astype(np.float64) for a, w in zip(arrays, weights, strict=True))
-               / total).astype(arrays[0][name].dtype)
-        for name in arrays[0]
-    }
+    """sum_i weights_i * arrays_i / sum_i weights_i, parameter by parameter (in float64).
+
+    ``weights`` is one weight per client (the same for every parameter), or a mapping from
+    every parameter name to one weight per client (each parameter normalised by its own sum).
+    """
+    per_name = weights if isinstance(weights, Mapping) else dict.fromkeys(arrays[0], weights)
+    averaged = {}
+    for name in arrays[0]:
+        if name not in per_name:
+            raise ValueError(f"no averaging weights for parameter {name!r}")
+        total = float(sum(per_name[name]))
+        if not total > 0:
+            raise ValueError(f"averaging weights of {name!r} sum to {total}, need > 0")
+        averaged[name] = (
+            sum(w * a[name].astype(np.float64) for a, w in zip(arrays, per_name[name],
+                                                                strict=True))
+            / total).astype(arrays[0][name].dtype)
+    return averaged
 
 
 class FedAvg(FusionStrategy):
@@ -35,12 +53,15 @@ class FedAvg(FusionStrategy):
     name = "fedavg"
     one_shot_only = False
 
+    def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
+        """The fused weights of member ``member`` from the clients that uploaded it."""
+        return weighted_average([u.weights(member) for u in holders],
+                                [u.num_examples for u in holders])
+
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         num_members = max(u.num_members for u in uploads)
         spec = self.context.model_spec
         averages = []
         for m in range(num_members):
-            holders = [u for u in uploads if u.num_members > m]
-            averages.append(weighted_average([u.weights(m) for u in holders],
-                                             [u.num_examples for u in holders]))
+            averages.append(self.member_average([u for u in uploads if u.num_members > m], m))
         return Ensemble([spec.build(a) for a in averages], [spec] * num_members)

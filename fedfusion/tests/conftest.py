@@ -2,79 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable
-
 import pytest
-from flwr.app import Error, Message
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
-from fedfusion.client_app import run_client
 from fedfusion.config import Settings
-from fedfusion.payload import decode_models, encode_upload
+from fedfusion.inprocess import InProcessGrid, ensure_task_identity
 
-# Messages need a run identity; inside Flower the SuperLink sets it.
-TaskIdentity.run_id = TaskIdentity.task_id = 1
-TaskIdentity.node_id = 0
+__all__ = ["InProcessGrid"]  # tests import it from here
 
-
-class InProcessGrid(Grid):
-    """A Grid whose nodes run fedfusion's client logic in this process (no Ray, no gRPC).
-
-    ``tamper(node_index, reply) -> reply`` lets a test corrupt one client's upload;
-    clients in ``crash`` raise inside the ClientApp.
-    """
-
-    def __init__(self, settings: Settings,
-                 tamper: Callable[[int, Message], Message] | None = None,
-                 crash: Iterable[int] = ()):
-        self.settings = settings
-        self.tamper = tamper
-        self.crash = set(crash)
-        self.node_ids = [100 + i for i in range(settings.num_clients)]
-        self._ids = itertools.count()
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
-                         ) -> list[Message]:
-        replies = []
-        for msg in messages:
-            client = self.node_ids.index(msg.metadata.dst_node_id)
-            config = msg.content["config"]
-            try:
-                if client in self.crash:
-                    raise MemoryError(f"client {client} ran out of memory")
-                upload = run_client(self.settings, client, decode_models(msg.content["arrays"]),
-                                    list(config["sections"]), int(config["server-round"]),
-                                    list(config.get("optional-sections", [])))
-                reply = Message(encode_upload(upload), reply_to=msg)
-            except Exception as exc:  # what Flower does with a ClientApp exception
-                reply = Message(Error(code=0, reason=str(exc)), reply_to=msg)
-            replies.append(self.tamper(client, reply) if self.tamper else reply)
-        return replies
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.node_ids)
-
-    # The remaining Grid methods are not used by Strategy.start.
-    def set_run(self, run_id: int) -> None:
-        raise NotImplementedError
-
-    @property
-    def run(self):  # noqa: ANN201
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        raise NotImplementedError
-
-    def get_nodes(self):  # noqa: ANN201
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
-        raise NotImplementedError
+ensure_task_identity()
 
 
 @pytest.fixture
