@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from fedfusion.strategies.ams import AdaptiveModelSelection
 from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
@@ -13,12 +14,14 @@ from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge
 from fedfusion.strategies.otfusion import OTFusion
+from fedfusion.strategies.pfnm import PFNM
 from fedfusion.strategies.regmean import RegMean
 
 STRATEGIES: dict[str, type[FusionStrategy]] = {
     cls.name: cls for cls in (FedAvg, UniformEnsemble, FedBEns, RegMean, OTFusion, FedFisher,
                              FisherMerge, Dense)
 }
+STRATEGIES.update({cls.name: cls for cls in (AdaptiveModelSelection, PFNM)})  # issue 6
 
 
 def available_strategies() -> list[str]:
@@ -35,7 +38,9 @@ def build_strategy(name: str, context: FusionContext, settings: object) -> Fusio
 
 
 __all__ = [
+    "PFNM",
     "STRATEGIES",
+    "AdaptiveModelSelection",
     "Dense",
     "FedAvg",
     "FedBEns",

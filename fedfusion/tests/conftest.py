@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import pytest
 from flwr.app import Error, Message
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedfusion.client_app import run_client
+from fedfusion.client_app import run_client, settings_for_node
 from fedfusion.config import Settings
 from fedfusion.payload import decode_models, encode_upload
 
@@ -23,15 +24,19 @@ class InProcessGrid(Grid):
     """A Grid whose nodes run fedfusion's client logic in this process (no Ray, no gRPC).
 
     ``tamper(node_index, reply) -> reply`` lets a test corrupt one client's upload;
-    clients in ``crash`` raise inside the ClientApp.
+    clients in ``crash`` raise inside the ClientApp. Each client's settings come from
+    :func:`~fedfusion.client_app.settings_for_node`, as in the ClientApp, with node config
+    ``{"partition-id": i, **node_configs[i]}`` (e.g. a per-client ``model``).
     """
 
     def __init__(self, settings: Settings,
                  tamper: Callable[[int, Message], Message] | None = None,
-                 crash: Iterable[int] = ()):
+                 crash: Iterable[int] = (),
+                 node_configs: Mapping[int, Mapping[str, Any]] | None = None):
         self.settings = settings
         self.tamper = tamper
         self.crash = set(crash)
+        self.node_configs = dict(node_configs or {})
         self.node_ids = [100 + i for i in range(settings.num_clients)]
         self._ids = itertools.count()
 
@@ -44,7 +49,9 @@ class InProcessGrid(Grid):
             try:
                 if client in self.crash:
                     raise MemoryError(f"client {client} ran out of memory")
-                upload = run_client(self.settings, client, decode_models(msg.content["arrays"]),
+                settings = settings_for_node(self.settings.to_mapping(), {
+                    "partition-id": client, **self.node_configs.get(client, {})})
+                upload = run_client(settings, client, decode_models(msg.content["arrays"]),
                                     list(config["sections"]), int(config["server-round"]),
                                     list(config.get("optional-sections", [])))
                 reply = Message(encode_upload(upload), reply_to=msg)
