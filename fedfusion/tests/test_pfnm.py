@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedfusion.config import Settings
+from fedfusion.config import ConfigError, Settings
 from fedfusion.models import build_model
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
@@ -196,3 +196,22 @@ def test_pfnm_beats_fedavg_on_hetero_label_fmnist(tmp_path):
     assert pfnm["strategy_report"]["members"][0]["global_hidden_sizes"][0] >= 100
     assert pfnm["test"]["accuracy"] >= 0.50
     assert pfnm["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.05
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"pfnm-sigma": 0.0}, "'pfnm-sigma' must be > 0"),
+    ({"pfnm-sigma0": -1.0}, "'pfnm-sigma0' must be > 0"),
+    ({"pfnm-gamma": float("nan")}, "'pfnm-gamma' must be > 0"),
+    ({"pfnm-iters": -1}, "'pfnm-iters' must be >= 0"),
+    ({"ams-top-k": -1}, "'ams-top-k' must be >= 0"),
+])
+def test_bad_pfnm_and_ams_keys_name_the_key(values, message):
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_mapping(values)
+
+
+def test_pfnm_on_a_non_mlp_run_fails_clearly(tmp_path):
+    settings = Settings(strategy="pfnm", num_clients=2, train_subset=500, local_epochs=1,
+                        val_size=50, output_dir=str(tmp_path), run_name="lenet")
+    with pytest.raises(ValueError, match="pfnm matches MLPs only; the run's model is 'lenet'"):
+        run_server(settings, InProcessGrid(settings))
