@@ -3,7 +3,9 @@
 The same ClientApp runs in a simulation (one Ray actor per SuperNode) and on a real
 SuperNode. Node config may override a few run-config keys per client (for example
 ``flower-supernode --node-config "partition-id=0 num-partitions=5 num-members=3"``):
-see :data:`NODE_OVERRIDES`.
+see :data:`NODE_OVERRIDES`. A simulation gives every node the same node config, so
+per-client architectures there come from the run-config key ``client-models`` instead
+(:func:`client_settings`).
 
 The local objective is the cross-entropy, plus what the server's train config asks for
 (:class:`LocalObjective`): FedProx's proximal term to the received global model
@@ -188,9 +190,24 @@ def _same_shapes(a: Mapping[str, np.ndarray], b: Mapping[str, torch.Tensor]) -> 
     return a.keys() == b.keys() and all(tuple(a[k].shape) == tuple(b[k].shape) for k in a)
 
 
+def client_settings(settings: Settings, client_id: int) -> Settings:
+    """The settings client ``client_id`` trains under: the run's, with its ``client-models``
+    entry (per-client architecture) applied where that key is set."""
+    entries = settings.parsed_client_models()
+    if entries is None or not 0 <= client_id < len(entries) or not entries[client_id]:
+        return settings  # (an out-of-range id fails with a clear message in the split)
+    return settings.replace(**{k.replace("-", "_"): v for k, v in entries[client_id].items()})
+
+
 def settings_for_node(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Settings:
+    """A node's settings: run config < its ``client-models`` entry < its node config."""
+    settings = Settings.from_mapping(run_config)
+    if "partition-id" in node_config:
+        settings = client_settings(settings, int(node_config["partition-id"]))
     overrides = {k: node_config[k] for k in NODE_OVERRIDES if k in node_config}
-    return Settings.from_mapping({**run_config, **overrides})
+    if not overrides:
+        return settings
+    return Settings.from_mapping({**settings.to_mapping(), **overrides})
 
 
 def previous_key(member: int) -> str:

@@ -90,6 +90,13 @@ class Settings:
     prox_mu: float = 0.01
     contrastive_weight: float = 0.0
     contrastive_temperature: float = 0.5
+    # AMS and its PFNM baseline (issue 6)
+    ams_top_k: int = 1
+    pfnm_sigma: float = 1.0
+    pfnm_sigma0: float = 1.0
+    pfnm_gamma: float = 1.0
+    pfnm_iters: int = 5
+    client_models: str = ""
     # outputs
     output_dir: str = ""
     run_name: str = ""
@@ -156,6 +163,14 @@ class Settings:
         self.parsed_labels_per_client()
         self.parsed_fractions()
         self.parsed_replay_clients()
+        # AMS and PFNM (issue 6)
+        for key in ("ams-top-k", "pfnm-iters"):
+            if getattr(self, key.replace("-", "_")) < 0:
+                raise ConfigError(f"run-config {key!r} must be >= 0")
+        for key in ("pfnm-sigma", "pfnm-sigma0", "pfnm-gamma"):
+            if not getattr(self, key.replace("-", "_")) > 0:
+                raise ConfigError(f"run-config {key!r} must be > 0")
+        self.parsed_client_models()
 
     def _validate_swa(self) -> None:
         from fedfusion.strategies.swa import SWA_DISTANCES
@@ -205,6 +220,49 @@ class Settings:
             return tuple(int(v) for v in self.replay_clients.split(","))
         except ValueError as exc:
             raise ConfigError("run-config 'replay-clients' must look like '0,2,3'") from exc
+
+
+    def parsed_client_models(self) -> list[dict[str, str]] | None:
+        """Per-client architectures: ``client-models`` is a JSON list with one object per
+        client id, e.g. ``[{"model": "mlp", "model-kwargs": {"hidden_layers": 1}}, {}]``; an
+        entry overrides the run's ``model`` and/or ``model-kwargs`` for that client (keys it
+        leaves out keep the run's values). Returns the run-config overrides per client, or
+        None when the key is empty."""
+        if not self.client_models:
+            return None
+        from fedfusion.models import available_models
+
+        try:
+            entries = json.loads(self.client_models)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"run-config 'client-models' is not JSON: {exc}") from exc
+        if not isinstance(entries, list) or len(entries) != self.num_clients:
+            raise ConfigError(
+                "run-config 'client-models' must be a JSON list with one entry per client "
+                f"(num-clients={self.num_clients}), got "
+                + (f"{len(entries)} entries" if isinstance(entries, list) else
+                   type(entries).__name__))
+        overrides = []
+        for client, entry in enumerate(entries):
+            where = f"run-config 'client-models' entry {client}"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where} must be a JSON object, got {entry!r}")
+            unknown = sorted(set(entry) - {"model", "model-kwargs"})
+            if unknown:
+                raise ConfigError(f"{where} has unknown key(s) {unknown}; "
+                                  "use 'model' and 'model-kwargs'")
+            override = {}
+            if "model" in entry:
+                if entry["model"] not in available_models():
+                    raise ConfigError(f"{where}: model {entry['model']!r} is not one of "
+                                      f"{', '.join(available_models())}")
+                override["model"] = entry["model"]
+            if "model-kwargs" in entry:
+                if not isinstance(entry["model-kwargs"], dict):
+                    raise ConfigError(f"{where}: 'model-kwargs' must be a JSON object")
+                override["model-kwargs"] = json.dumps(entry["model-kwargs"], sort_keys=True)
+            overrides.append(override)
+        return overrides
 
 
 def _check_choice(key: str, value: str, choices: Any) -> None:

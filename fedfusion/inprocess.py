@@ -9,13 +9,14 @@ across rounds, as Flower's ``context.state`` does.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from flwr.app import Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedfusion.client_app import handle_train
+from fedfusion.client_app import handle_train, settings_for_node
 from fedfusion.config import Settings
 
 
@@ -31,13 +32,17 @@ class InProcessGrid(Grid):
     """Nodes ``100 + i`` run client ``i`` of ``settings`` in this process.
 
     ``tamper(node_index, reply) -> reply`` lets a test corrupt one client's upload;
-    clients in ``crash`` raise inside the ClientApp.
+    clients in ``crash`` raise inside the ClientApp. Each client's settings come from
+    :func:`~fedfusion.client_app.settings_for_node`, as in the ClientApp, with node config
+    ``{"partition-id": i, **node_configs[i]}`` (e.g. a per-client ``model``).
     """
 
     def __init__(self, settings: Settings,
                  tamper: Callable[[int, Message], Message] | None = None,
-                 crash: Iterable[int] = ()):
+                 crash: Iterable[int] = (),
+                 node_configs: Mapping[int, Mapping[str, Any]] | None = None):
         ensure_task_identity()
+        self.node_configs = dict(node_configs or {})
         self.settings = settings
         self.tamper = tamper
         self.crash = set(crash)
@@ -54,7 +59,9 @@ class InProcessGrid(Grid):
             try:
                 if client in self.crash:
                     raise MemoryError(f"client {client} ran out of memory")
-                content = handle_train(self.settings, client, msg.content, self.states[node])
+                settings = settings_for_node(self.settings.to_mapping(), {
+                    "partition-id": client, **self.node_configs.get(client, {})})
+                content = handle_train(settings, client, msg.content, self.states[node])
                 reply = Message(content, reply_to=msg)
             except Exception as exc:  # what Flower does with a ClientApp exception
                 reply = Message(Error(code=0, reason=str(exc)), reply_to=msg)

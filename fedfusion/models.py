@@ -11,7 +11,7 @@ Add a model with :func:`register_model`; build one with :func:`build_model`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -122,7 +122,10 @@ class CNN(nn.Module):
 class MLP(nn.Module):
     """MLP with ``hidden_layers`` ReLU layers of width ``hidden`` (AMS paper, Table 4).
 
+    ``hidden_sizes`` (a list of widths, one per hidden layer) overrides ``hidden_layers`` and
+    ``hidden``: layers of different widths, e.g. the wider global model PFNM builds.
     ``bias`` defaults to False, as the AMS paper's analysis (Sec. 3) uses bias-free MLPs.
+    Parameters are ``net.{2i+1}.weight`` (and ``.bias``) for the i-th Linear layer.
     """
 
     def __init__(
@@ -132,15 +135,21 @@ class MLP(nn.Module):
         hidden_layers: int = 2,
         hidden: int = 100,
         bias: bool = False,
+        hidden_sizes: Sequence[int] | None = None,
     ):
         super().__init__()
-        if hidden_layers < 0 or hidden < 1:
-            raise ValueError("mlp needs hidden_layers >= 0 and hidden >= 1")
+        if hidden_sizes is None:
+            if hidden_layers < 0 or hidden < 1:
+                raise ValueError("mlp needs hidden_layers >= 0 and hidden >= 1")
+            hidden_sizes = [hidden] * hidden_layers
+        elif not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                     for w in hidden_sizes):
+            raise ValueError(f"mlp hidden_sizes must be a list of ints >= 1, got {hidden_sizes!r}")
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
-        for _ in range(hidden_layers):
-            layers += [nn.Linear(width, hidden, bias=bias), nn.ReLU()]
-            width = hidden
+        for size in hidden_sizes:
+            layers += [nn.Linear(width, size, bias=bias), nn.ReLU()]
+            width = size
         layers.append(nn.Linear(width, num_classes, bias=bias))
         self.net = nn.Sequential(*layers)
 

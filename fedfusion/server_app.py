@@ -40,7 +40,7 @@ log = logging.getLogger("fedfusion")
 #: upload folder's manifest, since the uploads were trained under them
 DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
              "fractions", "min-samples", "num-clients", "seed", "model", "model-kwargs",
-             "num-members", "local-epochs", "lr", "momentum", "batch-size")
+             "num-members", "local-epochs", "lr", "momentum", "batch-size", "client-models")
 
 app = ServerApp()
 

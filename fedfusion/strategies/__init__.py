@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from fedfusion.strategies.ams import AdaptiveModelSelection
 from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
@@ -14,6 +15,7 @@ from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fedprox import FedProx
 from fedfusion.strategies.fisher_merge import FisherMerge
 from fedfusion.strategies.otfusion import OTFusion
+from fedfusion.strategies.pfnm import PFNM
 from fedfusion.strategies.regmean import RegMean
 from fedfusion.strategies.swa import StatisticalWeightAggregation
 
@@ -22,6 +24,7 @@ STRATEGIES: dict[str, type[FusionStrategy]] = {
                              FisherMerge, Dense)
 }
 STRATEGIES.update({cls.name: cls for cls in (FedProx, StatisticalWeightAggregation)})
+STRATEGIES.update({cls.name: cls for cls in (AdaptiveModelSelection, PFNM)})  # issue 6
 
 
 def available_strategies() -> list[str]:
@@ -42,7 +45,9 @@ def build_strategy(name: str, context: FusionContext, settings: object) -> Fusio
 
 
 __all__ = [
+    "PFNM",
     "STRATEGIES",
+    "AdaptiveModelSelection",
     "Dense",
     "FedAvg",
     "FedBEns",

@@ -1,0 +1,63 @@
+"""AMS, adaptive model selection (Zhang & Zhang, "Investigating Neuron Disturbing in Fusing
+Heterogeneous Neural Networks"), one-shot.
+
+The server keeps every client model f^(j) (pre-softmax logits) and predicts per input x:
+
+* AMS-top1 (Algorithm 2): j* = argmax_j max_c f^(j)_c(x), the client with the highest
+  maximum logit ("absolute confidence"), and p(y|x) = softmax(f^(j*)(x));
+* top-k: p(y|x) = softmax(sum_{j in S_k(x)} f^(j)(x)) over the k clients S_k(x) with the
+  highest maximum logits; k = number of models is AMS-full (the logits of all clients
+  summed, i.e. fusion in the last layer only, Eq. 2).
+
+Run-config key ``ams-top-k``: 1 = AMS-top1 (default), 0 = all (AMS-full), any k in between.
+k larger than the number of models (e.g. after an excluded client) means all of them.
+
+Clients may use different architectures with the same number of classes (paper Table 4,
+MLPs of 1..5 hidden layers): the server builds each client's network from its upload's
+``model``/``model-kwargs``. The predictor is a
+:class:`~fedfusion.predictors.MaxLogitSelector` (saved/loaded like any predictor).
+
+Departures: with M > 1 members per client, each member counts as a model of its own (the
+selection runs over all N x M members), since the paper has one model per client. Ties in
+the maximum logit go to the lower (client, member) index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from fedfusion.payload import ClientUpload
+from fedfusion.predictors import Ensemble, MaxLogitSelector
+from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.ensemble import UniformEnsemble
+
+
+class AdaptiveModelSelection(UniformEnsemble):
+    """Per input, the client model(s) with the highest maximum logit (AMS-top1 / top-k).
+
+    The same models as the uniform ensemble, combined by selection instead of averaging."""
+
+    name = "ams"
+
+    def __init__(self, context: FusionContext, num_clients: int, *, top_k: int = 1):
+        super().__init__(context, num_clients)
+        if top_k < 0:
+            raise ValueError(f"ams-top-k must be >= 0 (0 = all clients), got {top_k}")
+        self.top_k = top_k
+
+    @classmethod
+    def from_settings(cls, context: FusionContext, settings: Any) -> AdaptiveModelSelection:
+        return cls(context, settings.num_clients, top_k=settings.ams_top_k)
+
+    def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
+        ensemble = super().fuse(uploads)
+        assert isinstance(ensemble, Ensemble)
+        return MaxLogitSelector(list(ensemble.members), ensemble.specs, self.top_k)
+
+    def report(self) -> dict[str, Any]:
+        models = [u.num_members for u in self.uploads]
+        return {"top_k": self.top_k, "num_models": sum(models),
+                "architectures": sorted({f"{u.model}{u.model_kwargs}" for u in self.uploads})}

@@ -1,0 +1,195 @@
+"""AMS: the max-logit selection (constructed cases and brute force), one client, AMS-full,
+save/load, per-client architectures (client-models, node config) and a cross-architecture
+federation on real FMNIST, live and replayed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedfusion.client_app import client_settings, settings_for_node
+from fedfusion.config import ConfigError, Settings
+from fedfusion.payload import ClientUpload
+from fedfusion.predictors import (
+    MaxLogitSelector,
+    ModelSpec,
+    load_predictor,
+    max_logit_log_probs,
+    save_predictor,
+)
+from fedfusion.server_app import run_server
+from fedfusion.strategies import AdaptiveModelSelection, FusionContext
+from fedfusion.tests.conftest import InProcessGrid
+
+#: linear "networks" (no hidden layer, no bias) on 2 input features, 3 classes
+LINEAR = ModelSpec("mlp", (1, 1, 2), 3, {"hidden_layers": 0})
+DEPTHS = [ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": d, "hidden": 5}) for d in (1, 2, 3)]
+
+
+def linear_upload(client_id: int, weight: list[list[float]]) -> ClientUpload:
+    return ClientUpload(client_id, "mlp", {"hidden_layers": 0}, 10,
+                        [{"weights": {"net.1.weight": np.array(weight, dtype=np.float32)}}])
+
+
+def random_upload(client_id: int, spec: ModelSpec, seed: int, members: int = 1
+                  ) -> ClientUpload:
+    states = []
+    for m in range(members):
+        torch.manual_seed(seed * 10 + m)
+        states.append({"weights": {k: v.numpy().copy() for k, v in
+                                   spec.build().state_dict().items()}})
+    return ClientUpload(client_id, spec.name, spec.kwargs, 10, states)
+
+
+def test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax():
+    """Input e1: model A has logits (5, 4.9, 0) (max 5, softmax confidence 0.52), model B
+    (0, 3, -5) (max 3, confidence 0.95): AMS-top1 follows A and predicts class 0, where a
+    softmax-confidence rule would follow B (class 1). Input e2 reverses the roles: B's
+    (7.9, 0, 8) beats A's (1, -5, -5) (confidence 0.995), so AMS predicts class 2."""
+    a = linear_upload(0, [[5.0, 1.0], [4.9, -5.0], [0.0, -5.0]])
+    b = linear_upload(1, [[0.0, 7.9], [3.0, 0.0], [-5.0, 8.0]])
+    x = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])
+    logits_a = torch.tensor([[5.0, 4.9, 0.0], [1.0, -5.0, -5.0]])
+    logits_b = torch.tensor([[0.0, 3.0, -5.0], [7.9, 0.0, 8.0]])
+    # the constructed case: max-logit and softmax-confidence choices differ on both inputs
+    for i, (ams_choice, confident_choice) in enumerate(((logits_a, logits_b),
+                                                       (logits_b, logits_a))):
+        assert ams_choice[i].max() > confident_choice[i].max()
+        assert ams_choice[i].softmax(0).max() < confident_choice[i].softmax(0).max()
+    predictor = AdaptiveModelSelection(FusionContext(LINEAR), 2).fuse_uploads([a, b])
+    assert isinstance(predictor, MaxLogitSelector) and predictor.top_k == 1
+    out = predictor(x)
+    assert torch.allclose(out[0], torch.log_softmax(logits_a[0], 0), atol=1e-6)
+    assert torch.allclose(out[1], torch.log_softmax(logits_b[1], 0), atol=1e-6)
+    assert out.argmax(1).tolist() == [0, 2]
+
+
+def test_ties_go_to_the_lower_index_and_bad_shapes_are_refused():
+    logits = torch.tensor([[[2.0, 1.0]], [[2.0, -1.0]]])
+    assert torch.equal(max_logit_log_probs(logits, 1), torch.log_softmax(logits[0], -1))
+    with pytest.raises(ValueError, match=r"\[models, batch, classes\]"):
+        max_logit_log_probs(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        max_logit_log_probs(logits, -1)
+    with pytest.raises(ValueError, match="ams-top-k must be >= 0"):
+        AdaptiveModelSelection(FusionContext(LINEAR), 2, top_k=-2)
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 2, 5])
+def test_ams_with_one_client_equals_that_client(top_k):
+    upload = random_upload(0, DEPTHS[1], seed=3)
+    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[1]), 1, top_k=top_k).fuse([upload])
+    x = torch.randn(16, 1, 4, 4)
+    expected = torch.log_softmax(DEPTHS[1].build(upload.weights(0))(x), -1)
+    assert torch.equal(predictor(x), expected)
+
+
+def _cross_architecture_uploads() -> list[ClientUpload]:
+    return [random_upload(i, spec, seed=i) for i, spec in enumerate(DEPTHS)]
+
+
+def test_ams_full_is_the_log_softmax_of_the_summed_logits():
+    uploads = _cross_architecture_uploads()
+    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 3, top_k=0).fuse(uploads)
+    x = torch.randn(32, 1, 4, 4)
+    logits = [spec.build(u.weights(0))(x) for spec, u in zip(DEPTHS, uploads, strict=True)]
+    assert torch.allclose(predictor(x), torch.log_softmax(sum(logits), -1), atol=1e-6)
+
+
+def test_top_k_matches_a_per_sample_brute_force():
+    uploads = _cross_architecture_uploads() + [random_upload(3, DEPTHS[2], seed=9, members=2)]
+    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 4, top_k=2).fuse(uploads)
+    assert len(predictor.members) == 5  # client 3's two members count as two models
+    x = torch.randn(40, 1, 4, 4)
+    models = [spec.build(u.weights(0)) for spec, u in zip(DEPTHS, uploads, strict=False)]
+    models += [DEPTHS[2].build(uploads[3].weights(m)) for m in range(2)]
+    logits = torch.stack([m(x) for m in models]).detach()
+    expected = []
+    for b in range(len(x)):
+        best = sorted(range(5), key=lambda j: -float(logits[j, b].max()))[:2]
+        expected.append(torch.log_softmax(logits[best[0], b] + logits[best[1], b], 0))
+    assert torch.allclose(predictor(x), torch.stack(expected), atol=1e-6)
+    assert not torch.allclose(predictor(x), torch.log_softmax(logits.sum(0), -1), atol=1e-3)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    uploads = _cross_architecture_uploads()
+    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 3, top_k=2).fuse(uploads)
+    loaded = load_predictor(save_predictor(predictor, tmp_path / "ams.pt"))
+    assert isinstance(loaded, MaxLogitSelector) and loaded.top_k == 2
+    assert [s.kwargs for s in loaded.specs] == [s.kwargs for s in DEPTHS]
+    x = torch.randn(8, 1, 4, 4)
+    assert torch.equal(loaded(x), predictor(x))
+
+
+# ----------------------------------------------------------- per-client architectures
+CLIENT_MODELS = json.dumps([{"model": "mlp", "model-kwargs": {"hidden_layers": d, "hidden": 32}}
+                            for d in (1, 2, 3)])
+
+
+def test_client_models_give_each_client_its_architecture_and_node_config_wins():
+    run = Settings(num_clients=3, model="mlp", model_kwargs='{"hidden_layers": 2}',
+                   client_models=json.dumps([{"model-kwargs": {"hidden_layers": 1}}, {},
+                                             {"model": "lenet"}]))
+    assert client_settings(run, 0).parsed_model_kwargs() == {"hidden_layers": 1}
+    assert client_settings(run, 1) == run  # {} keeps the run's model
+    assert (client_settings(run, 2).model, client_settings(run, 2).parsed_model_kwargs()) == (
+        "lenet", {"hidden_layers": 2})  # keys an entry leaves out keep the run's values
+    node = settings_for_node(run.to_mapping(), {"partition-id": 0,
+                                                "model-kwargs": '{"hidden_layers": 4}'})
+    assert node.parsed_model_kwargs() == {"hidden_layers": 4}
+    assert settings_for_node(run.to_mapping(), {"partition-id": 2}).model == "lenet"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("[{}, {}]", "one entry per client \\(num-clients=3\\), got 2 entries"),
+    ('{"model": "mlp"}', "must be a JSON list .* got dict"),
+    ("[{}, {}, {", "'client-models' is not JSON"),
+    ('[{}, {"modle": "mlp"}, {}]', "entry 1 has unknown key\\(s\\) \\['modle'\\]"),
+    ('[{}, {}, {"model": "resnet"}]', "entry 2: model 'resnet' is not one of"),
+    ('[{}, {"model-kwargs": "x"}, {}]', "entry 1: 'model-kwargs' must be a JSON object"),
+    ("[{}, 3, {}]", "entry 1 must be a JSON object"),
+])
+def test_bad_client_models_name_the_problem(value, message):
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_mapping({"num-clients": 3, "client-models": value})
+
+
+@pytest.fixture(scope="module")
+def cross_architecture_run(tmp_path_factory) -> dict:
+    """3 clients with MLPs of 1, 2, 3 hidden layers (client-models), hetero-label FMNIST,
+    a 3000-sample subset, 3 epochs: AMS-top1 through the in-process grid."""
+    out = tmp_path_factory.mktemp("ams")
+    settings = Settings(strategy="ams", num_clients=3, train_subset=3000, local_epochs=3,
+                        partitioner="hetero-label", model="mlp", client_models=CLIENT_MODELS,
+                        val_size=200, output_dir=str(out), run_name="live")
+    return run_server(settings, InProcessGrid(settings))
+
+
+def test_cross_architecture_ams_runs_end_to_end(cross_architecture_run):
+    results = cross_architecture_run
+    assert results["status"] == "ok" and not results["excluded"]
+    assert results["strategy_report"]["architectures"] == [
+        f"mlp{{'hidden': 32, 'hidden_layers': {d}}}" for d in (1, 2, 3)]
+    predictor = load_predictor(f"{results['output_dir']}/predictor.pt")
+    depths = [sum(isinstance(m, torch.nn.Linear) for m in member.modules()) - 1
+              for member in predictor.members]
+    assert depths == [1, 2, 3]
+    # hetero-label, 3 clients of 3..6 classes each: 10% is chance
+    assert results["test"]["accuracy"] > 0.35
+
+
+def test_replay_reproduces_ams_and_feeds_ams_full_and_the_ensemble(cross_architecture_run):
+    folder = Path(cross_architecture_run["output_dir"])
+    base = Settings(output_dir=str(folder.parent), replay=str(folder / "uploads"))
+    replayed = run_server(base.replace(strategy="ams", run_name="re"))
+    assert replayed["test"] == cross_architecture_run["test"]
+    full = run_server(base.replace(strategy="ams", ams_top_k=0, run_name="re-full"))
+    ensemble = run_server(base.replace(strategy="ensemble", run_name="re-ens"))
+    for results in (full, ensemble):
+        assert results["status"] == "ok" and results["test"]["accuracy"] > 0.2
+    assert full["test"] != replayed["test"]
