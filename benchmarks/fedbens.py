@@ -13,11 +13,17 @@ Then replays of the SAME uploads:
 * the paper's one-model-per-client baselines on member 0 of every client: FedAvg,
   FedFisher (K-FAC and diag), RegMean, Fisher merging, OTFusion, DENSE.
 
-A replay that already finished is reused, so the script can be stopped and resumed. Prints
+A replay that already finished is reused, so the script can be stopped and resumed.
+``--stage live`` / ``--stage replay`` split the work over two processes that share the two
+cores: the live runs of the next cells train while the replays of the finished ones run
+(each process with one torch thread; the replay stage waits for each live run). Prints
 the accuracy table (mean +- sd over seeds) and the cost table (paper Table 4: client and
 server seconds, upload MB per client, per method), saves benchmarks/results/fedbens.json.
 
     .venv/bin/python benchmarks/fedbens.py --alphas 0.05,0.1,0.2,0.4 --seeds 0,1,2
+    # or pipelined, in two shells (or one with &):
+    .venv/bin/python benchmarks/fedbens.py --stage live &
+    .venv/bin/python benchmarks/fedbens.py --stage replay
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from common import REPO, live_run
 
 from fedfusion.config import Settings  # noqa: E402
@@ -81,7 +88,7 @@ def replay(out: str, name: str, tag: str, **changes: object) -> dict:
             return results
     try:
         return run_server(Settings(output_dir=out, run_name=f"{name}-{tag}",
-                                   replay=f"{out}/{name}/uploads", **changes))
+                                   replay=f"{out}/{name}/uploads", server_threads=1, **changes))
     except Exception as exc:  # a failed replay is recorded, never fatal to the table
         print(f"replay {name}-{tag} failed: {type(exc).__name__}: {exc}")
         return {"status": "failed", "error": str(exc)}
@@ -107,14 +114,40 @@ def section_mb(uploads_dir: str) -> dict[str, float]:
     return {s: statistics.mean(v) for s, v in sizes.items()}
 
 
-def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict:
+def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
+    """The results of live run ``name`` once the live stage has written them."""
+    done = Path(out) / name / "results.json"
+    print(f"waiting for the live run {name} ...", flush=True)
+    while True:
+        if done.is_file():
+            try:
+                results = json.loads(done.read_text())
+            except json.JSONDecodeError:  # being written
+                results = {}
+            if results.get("status") in ("ok", "failed"):
+                return results
+        time.sleep(poll_s)
+
+
+def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
+    """One (alpha, seed): the live run (stages all / live), then its replays (all / replay)."""
     name = f"a{alpha:g}-s{seed}"
     with_structures = f"{alpha:g}" in args.structure_alphas.split(",")
     extra = ["curvature.diag", "gram"] + (["curvature.diag_full"] if with_structures else [])
     start = time.perf_counter()
-    live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
-                    f"num-members={args.members} local-epochs={args.epochs} "
-                    f"hessian-structure=kron extra-sections='{','.join(extra)}'", args.out, name)
+    if args.stage == "replay":
+        live = wait_for_live(args.out, name)
+    else:
+        # one server thread: the replay stage may hold the other core (see server-threads)
+        live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
+                        f"num-members={args.members} local-epochs={args.epochs} "
+                        f"hessian-structure=kron extra-sections='{','.join(extra)}' "
+                        "server-threads=1", args.out, name)
+    if args.stage == "live":
+        return None
+    if live.get("status") != "ok":
+        print(f"live run {name} failed ({live.get('error')}): no row")
+        return None
     clients = live["clients"]
     members = sum(c["num_members"] for c in clients)
     row: dict = {
@@ -160,6 +193,8 @@ def fmt(values: list[float]) -> str:
 
 
 def print_tables(rows: list[dict], members: int) -> None:
+    if not rows:
+        return
     alphas = sorted({r["alpha"] for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     print(f"\nTest accuracy (%), FMNIST, LeNet, C=5, mean +- sd over seeds {seeds}; "
@@ -216,7 +251,11 @@ def main() -> None:
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--tables-only", action="store_true",
                         help="print the tables of the saved results and exit")
+    parser.add_argument("--stage", choices=("all", "live", "replay"), default="all",
+                        help="live: only the live runs; replay: wait for each live run, then "
+                             "replay it (run both at once to use both cores)")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # replays in this process; the live runs set their own threads
     results = Path(args.results)
     rows = json.loads(results.read_text()) if results.is_file() else []
     rows = [r for r in rows if "methods" in r]  # rows of this script's format
@@ -224,6 +263,10 @@ def main() -> None:
         for seed in (int(s) for s in args.seeds.split(",")):
             for alpha in (float(a) for a in args.alphas.split(",")):
                 row = run_cell(alpha, seed, args)
+                if row is None:
+                    continue
+                if results.is_file():  # keep rows another process wrote meanwhile
+                    rows = [r for r in json.loads(results.read_text()) if "methods" in r]
                 rows = [r for r in rows if (r["alpha"], r["seed"]) != (alpha, seed)] + [row]
                 results.write_text(json.dumps(rows, indent=1))
                 print_tables(rows, args.members)

@@ -61,6 +61,7 @@ class Settings:
     extra_sections: str = ""
     # server
     server_device: str = "auto"
+    server_threads: int = 0
     eval_batch_size: int = 2000
     server_steps: int = 300
     server_lr: float = 0.001
@@ -148,7 +149,7 @@ class Settings:
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
-                    "server-steps", "replay-members"):
+                    "server-steps", "replay-members", "server-threads"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:
