@@ -45,8 +45,10 @@ from fedfusion.upload_store import load_uploads  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "fedbens.json"
 
 #: paper Table 1 (FMNIST, with validation), alpha 0.05 / 0.1 / 0.2 / 0.4
-PAPER = {
+PAPER: dict[str, tuple[float | None, ...]] = {
     "fedbens": (59.89, 75.91, 79.03, 84.42),
+    "fedbens_diag_full": (55.58, 70.04, 77.24, 81.81),
+    "fedbens_noval": (59.15, None, None, 82.16),  # Table 3: no validation, 100 steps
     "fedfisher_kron": (53.92, 68.06, 72.89, 74.76),
     "regmean": (48.04, 56.40, 71.43, 74.45),
     "dense": (38.48, 47.16, 69.07, 77.91),
@@ -69,7 +71,9 @@ BASELINES: dict[str, tuple[dict[str, object], tuple[str, ...], int]] = {
     "dense": ({"strategy": "dense"}, (), 1),
 }
 LABELS = {
-    "fedbens": "FedBEns (Kron, validation)", "fedbens_noval": "FedBEns (Kron, no validation)",
+    "fedbens": "FedBEns (Kron, validation)",
+    "fedbens_noval": "FedBEns (Kron, no validation, 100 steps)",
+    "fedbens_noval300": "FedBEns (Kron, no validation, 300 steps)",
     "fedbens_diag": "FedBEns (diag)", "fedbens_diag_full": "FedBEns (diag + full last layer)",
     "ensemble": "uniform ensemble (C x M members)", "fedavg": "FedAvg (member 0)",
     "fedfisher_kron": "FedFisher K-FAC", "fedfisher_diag": "FedFisher diag",
@@ -165,15 +169,19 @@ def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
                              / row["train_s_per_member"])
     row["methods"]["fedbens"]["mixture"] = live["strategy_report"].get("mixture", {})
     methods = row["methods"]
-    methods["fedbens_noval"] = summary(replay(args.out, name, "noval", strategy="fedbens",
+    # no validation: the paper's protocol (100 steps, the default) and the full 300 steps
+    methods["fedbens_noval"] = summary(replay(args.out, name, "noval100", strategy="fedbens",
                                               server_validation=False))
+    methods["fedbens_noval300"] = summary(replay(args.out, name, "noval300",
+                                                 strategy="fedbens", server_validation=False,
+                                                 server_steps_noval=300))
     for m in range(1, args.members):
         methods[f"fedbens_m{m}"] = summary(replay(args.out, name, f"m{m}", strategy="fedbens",
                                                   replay_members=m))
-    if with_structures:
-        for structure in ("diag", "diag_full"):
-            methods[f"fedbens_{structure}"] = summary(replay(
-                args.out, name, structure, strategy="fedbens", hessian_structure=structure))
+    # every live run uploads the diagonal (FedFisher diag, Fisher merging need it)
+    for structure in ("diag", "diag_full") if with_structures else ("diag",):
+        methods[f"fedbens_{structure}"] = summary(replay(
+            args.out, name, structure, strategy="fedbens", hessian_structure=structure))
     for method, (changes, _, used) in BASELINES.items():
         if method == "dense":
             changes = {**changes, "dense_epochs": args.dense_epochs}
@@ -201,7 +209,8 @@ def print_tables(rows: list[dict], members: int) -> None:
           "paper Table 1 in brackets")
     print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
     print("|---|" + "---|" * len(alphas))
-    methods = ["fedbens", "fedbens_noval", *[f"fedbens_m{m}" for m in range(1, members)],
+    methods = ["fedbens", "fedbens_noval", "fedbens_noval300",
+               *[f"fedbens_m{m}" for m in range(1, members)],
                "fedbens_diag", "fedbens_diag_full", *BASELINES]
     for method in methods:
         cells = []
@@ -209,8 +218,8 @@ def print_tables(rows: list[dict], members: int) -> None:
             values = [r["methods"][method]["accuracy"] for r in rows
                       if r["alpha"] == alpha and method in r["methods"]]
             paper = PAPER.get(method)
-            ref = (f" [{paper[PAPER_ALPHAS.index(alpha)]}]"
-                   if paper and alpha in PAPER_ALPHAS else "")
+            value = paper[PAPER_ALPHAS.index(alpha)] if paper and alpha in PAPER_ALPHAS else None
+            ref = f" [{value}]" if value is not None else ""
             cells.append(fmt(values) + ref)
         if any(c.split(" [")[0] != "-" for c in cells):
             label = LABELS.get(method, f"FedBEns, M = {method.removeprefix('fedbens_m')}")
@@ -238,13 +247,58 @@ def print_tables(rows: list[dict], members: int) -> None:
           + ", ".join(f"{100 * r['fit_over_train']:.1f}%" for r in rows))
 
 
+def plot(rows: list[dict], members: int, path: Path) -> None:
+    """Left: accuracy against M (paper Figure 2); right: against alpha for the curvature
+    structures and the ensemble / FedAvg references, with paper Table 1's FedBEns dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def mean_sd(method: str, alpha: float) -> tuple[float, float]:
+        values = [100 * r["methods"][method]["accuracy"] for r in rows
+                  if r["alpha"] == alpha and method in r["methods"]
+                  and not math.isnan(r["methods"][method]["accuracy"])]
+        if not values:
+            return math.nan, math.nan
+        return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+    alphas = sorted({r["alpha"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ms = list(range(1, members + 1))
+    for alpha in alphas:
+        stats = [mean_sd("fedbens" if m == members else f"fedbens_m{m}", alpha) for m in ms]
+        axes[0].errorbar(ms, [v for v, _ in stats], yerr=[e for _, e in stats], marker="o",
+                         capsize=3, label=f"alpha {alpha:g}")
+    axes[0].set(xlabel="M (members per client)", ylabel="test accuracy (%)",
+                title="FedBEns (Kron) against M", xticks=ms)
+    axes[0].legend()
+    for method in ("fedbens", "fedbens_noval", "fedbens_diag", "fedbens_diag_full", "ensemble",
+                   "fedfisher_kron", "fedavg"):
+        stats = [mean_sd(method, a) for a in alphas]
+        if all(math.isnan(v) for v, _ in stats):
+            continue
+        axes[1].errorbar(alphas, [v for v, _ in stats], yerr=[e for _, e in stats],
+                         marker="o", capsize=3, label=LABELS[method])
+    paper = [PAPER["fedbens"][PAPER_ALPHAS.index(a)] for a in alphas if a in PAPER_ALPHAS]
+    # (the paper's Table 1 FedBEns, with validation)
+    axes[1].plot([a for a in alphas if a in PAPER_ALPHAS], paper, "k--", label="paper FedBEns")
+    axes[1].set(xscale="log", xlabel="Dirichlet alpha", ylabel="test accuracy (%)",
+                title="FMNIST, LeNet, C=5 (mean +- sd over seeds)")
+    axes[1].set_xticks(alphas, [f"{a:g}" for a in alphas])
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--structure-alphas", default="0.1",
+    parser.add_argument("--structure-alphas", default="0.05,0.1,0.2,0.4",
                         help="alphas whose clients also fit diag_full (Kron/diag/diag_full)")
     parser.add_argument("--dense-epochs", type=int, default=200)
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-fedbens"))
@@ -271,6 +325,8 @@ def main() -> None:
                 results.write_text(json.dumps(rows, indent=1))
                 print_tables(rows, args.members)
     print_tables(rows, args.members)
+    if rows:
+        plot(rows, args.members, results.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def main() -> None:
         folder = out / label.replace(" ", "_").replace("(", "").replace(")", "")
         save_uploads(folder, uploads, run_config)
         result = run_server(Settings(strategy="fedbens", replay=str(folder),
-                                     output_dir=str(out), run_name=f"replay-{folder.name}"))
+                                     output_dir=str(out), run_name=f"replay-{folder.name}",
+                                     server_threads=1))
         mb = np.mean([sum(a.nbytes for m in u.members for a in m["curvature.kron"].values())
                       for u in uploads]) / 1e6
         rows.append({"variant": label, "kron_mb_per_client": mb,

@@ -64,6 +64,7 @@ class Settings:
     server_threads: int = 0
     eval_batch_size: int = 2000
     server_steps: int = 300
+    server_steps_noval: int = 100
     server_lr: float = 0.001
     server_clip: float = 1.0
     server_eval_every: int = 30
@@ -149,7 +150,8 @@ class Settings:
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
-                    "server-steps", "replay-members", "server-threads"):
+                    "server-steps", "server-steps-noval", "replay-members",
+                    "server-threads"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:

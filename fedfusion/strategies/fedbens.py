@@ -12,7 +12,8 @@ from R = max_c M_c starting points, run r starting at the per-parameter median o
 of member r (Algorithm 1, line 21), with Adam and a per-run gradient-norm clip, the R runs
 batched into one computation (each client's logsumexp evaluated on the members that carry
 weight at the current point: :class:`~fedfusion.curvature.MixtureObjective`), each keeping
-its best iterate on the server validation set (or by objective): see
+its best iterate on the server validation set (or, without one, the best-objective iterate
+after ``server-steps-noval`` = 100 steps, the paper's Appendix C.4 protocol): see
 :mod:`fedfusion.strategies.server_optim`. The prediction is the ensemble of the R modes,
 p(y|x) = 1/R sum_r softmax(f(x; w_r)).
 
@@ -79,9 +80,12 @@ class FedBEns(FusionStrategy):
 
     @classmethod
     def from_settings(cls, context: FusionContext, settings: Any) -> FedBEns:
+        # without a validation set the last (best-objective) iterate is kept, so the run
+        # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
+        steps = settings.server_steps if context.val is not None else settings.server_steps_noval
         return cls(context, settings.num_clients, hessian_structure=settings.hessian_structure,
                    temperature=settings.temperature, prior_var=settings.prior_var,
-                   steps=settings.server_steps, lr=settings.server_lr, clip=settings.server_clip,
+                   steps=steps, lr=settings.server_lr, clip=settings.server_clip,
                    eval_every=settings.server_eval_every,
                    prune_margin=settings.mixture_prune_margin,
                    refresh_every=settings.mixture_refresh_every)
