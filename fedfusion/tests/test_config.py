@@ -27,6 +27,8 @@ def test_typo_is_rejected_with_a_hint():
     ({"model-kwargs": "{bad"}, "'model-kwargs' is not JSON"),
     ({"labels-per-client": "6,3"}, "labels-per-client"),
     ({"server-device": "tpu"}, "server-device"),
+    ({"server-threads": -1}, "'server-threads' must be >= 0"),
+    ({"server-steps-noval": -5}, "'server-steps-noval' must be >= 0"),
 ])
 def test_bad_values_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):

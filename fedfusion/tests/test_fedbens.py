@@ -119,6 +119,22 @@ def test_per_run_clip_matches_clip_grad_norm():
     torch.testing.assert_close(torch.cat([w["a"].grad, w["b"].grad], 1), torch.stack(expected))
 
 
+def test_without_validation_the_run_length_is_server_steps_noval():
+    """Paper Appendix C.4: no validation set -> the last iterate of a 100-step run."""
+    from fedfusion.config import Settings
+    from fedfusion.datasets.loading import ImageData
+
+    settings = Settings(strategy="fedbens", hessian_structure="diag", server_steps=9,
+                        server_steps_noval=4, server_eval_every=3)
+    val = ImageData(torch.randn(8, 1, 4, 4), torch.arange(8) % 3)
+    assert FedBEns.from_settings(FusionContext(TINY, val=val), settings).optimiser.steps == 9
+    assert Settings().server_steps_noval == 100
+    strategy = FedBEns.from_settings(FusionContext(TINY), settings)
+    strategy.fuse_uploads([tiny_upload(0, "diag", seed=0), tiny_upload(1, "diag", seed=1)])
+    assert [t["step"] for t in strategy.optimiser.trace] == [0, 3, 4]
+    assert strategy.report()["selection"] == "objective"
+
+
 def test_fedbens_on_real_fmnist_with_replay_and_client_removal(tmp_path):
     """C=3, M=2, 2 epochs on a 9,000-sample real FMNIST subset. Floor: 60% (chance 10%)."""
     from fedfusion.config import Settings
