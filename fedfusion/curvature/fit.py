@@ -83,6 +83,7 @@ from laplace.curvature import (
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
+from fedfusion.curvature import asdl_speedup
 from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
@@ -131,6 +132,8 @@ def _laplace(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     backend_cls, backend_kwargs = BACKENDS[backend]
+    if backend.startswith("asdl"):
+        asdl_speedup.install()  # conv K-FAC factors without a transposed copy of the batch
     la = Laplace(
         model,
         "classification",
