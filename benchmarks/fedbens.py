@@ -286,6 +286,7 @@ def plot(rows: list[dict], members: int, path: Path) -> None:
     axes[1].set(xscale="log", xlabel="Dirichlet alpha", ylabel="test accuracy (%)",
                 title="FMNIST, LeNet, C=5 (mean +- sd over seeds)")
     axes[1].set_xticks(alphas, [f"{a:g}" for a in alphas])
+    axes[1].minorticks_off()
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
