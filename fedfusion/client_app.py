@@ -153,7 +153,7 @@ def run_client(
                 continue
             start = time.perf_counter()
             try:
-                member[section] = build_section(section, model, x, y, settings)
+                member[section] = build_section(section, model, x, y, settings, member)
             except Exception as exc:
                 if section in sections:
                     raise

@@ -198,6 +198,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         "client_train_s_sum": float(np.sum(train_times)),
         "client_train_s_max": float(np.max(train_times)) if train_times else 0.0,
         "client_stats_s_sum": float(np.sum([c["stats_time_s"] for c in results["clients"]])),
+        "client_round_s": strategy.client_round_seconds,
         "server_fuse_s": strategy.fuse_seconds,
         "server_eval_s": eval_seconds[0],
     }

@@ -18,13 +18,16 @@ from fedfusion.config import Settings
 from fedfusion.curvature import (
     DEFAULT_BACKEND,
     STRUCTURES,
+    DiagCurvature,
     KronCurvature,
     curvature_from_arrays,
     fit_curvature,
 )
 from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
-SectionBuilder = Callable[[nn.Module, torch.Tensor, torch.Tensor, Settings], NumpyDict]
+#: (trained member, client inputs, labels, settings, the member's sections built so far) -> arrays
+SectionBuilder = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, Settings, Mapping[str, NumpyDict]], NumpyDict]
 _BUILDERS: dict[str, SectionBuilder] = {}
 
 
@@ -37,16 +40,19 @@ def register_builder(section: str) -> Callable[[SectionBuilder], SectionBuilder]
 
 
 def build_section(section: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                  settings: Settings) -> NumpyDict:
+                  settings: Settings, built: Mapping[str, NumpyDict] | None = None
+                  ) -> NumpyDict:
+    """Section ``section`` of one trained member; ``built`` holds the member's sections
+    computed before it (a builder may reuse one: ``diag_full`` reuses ``curvature.diag``)."""
     if section not in _BUILDERS:
         raise ValueError(f"this client cannot compute upload section {section!r}; "
                          f"known: {sorted(_BUILDERS)}")
-    return _BUILDERS[section](model, x, y, settings)
+    return _BUILDERS[section](model, x, y, settings, built or {})
 
 
 @register_builder(WEIGHTS)
-def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings
-                  ) -> NumpyDict:
+def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings,
+                  built: Mapping[str, NumpyDict]) -> NumpyDict:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
 
@@ -56,19 +62,28 @@ def curvature_section(structure: str) -> str:
 
 
 def _curvature_builder(structure: str) -> SectionBuilder:
-    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings
-              ) -> NumpyDict:
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings,
+              built: Mapping[str, NumpyDict]) -> NumpyDict:
+        diagonal = None
+        if structure != "kron" and curvature_section("diag") in built:
+            diagonal = DiagCurvature.from_arrays(
+                built[curvature_section("diag")], _param_shapes(model), settings.temperature,
+                settings.prior_var)
         curvature = fit_curvature(
             model, x, y, structure,
             temperature=settings.temperature, prior_var=settings.prior_var,
             backend=settings.curvature_backend or DEFAULT_BACKEND,
-            batch_size=settings.curvature_batch_size, seed=settings.seed,
+            batch_size=settings.curvature_batch_size, seed=settings.seed, diagonal=diagonal,
         )
         if isinstance(curvature, KronCurvature):
             return curvature.to_arrays(rank=settings.curvature_rank or None,
                                        eigvec_dtype=np.float16 if settings.curvature_half else None)
         return curvature.to_arrays()
     return build
+
+
+def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _curvature_validator(structure: str) -> SectionValidator:
@@ -87,5 +102,5 @@ for _structure in STRUCTURES:
 # RegMean's upload section: per Linear/Conv2d weight, the Gram of the layer's inputs.
 from fedfusion.gram import layer_grams, validate_grams  # noqa: E402
 
-register_builder("gram")(lambda model, x, y, settings: layer_grams(model, x))
+register_builder("gram")(lambda model, x, y, settings, built: layer_grams(model, x))
 register_section("gram", validate_grams)

@@ -14,13 +14,15 @@ Structures
     (see :mod:`fedfusion.curvature.kron`).
     ``diag``: the diagonal ``h`` of laplace-torch's ``DiagLaplace`` (``la.H``).
     ``diag_full``: the diagonal fit above for every layer except the last linear layer, plus
-    the dense ``n x n`` block of that layer from laplace-torch's last-layer
-    ``Laplace(..., subset_of_weights="last_layer", hessian_structure="full")`` (a second pass
-    over the data; ``n = n_classes * n_features`` for a bias-free last layer, 840 for LeNet).
-    That block is the exact GGN of the last layer, ``sum_n J_n^T (diag p_n - p_n p_n^T) J_n``
-    with ``J_n = I (x) phi_n^T``, for the GGN and MC backends (see ``LAST_LAYER_BACKEND``: the
-    dense contraction, not the sampling, is its cost) and the empirical Fisher for ``*_ef``;
-    it replaces the last layer's entries of the diagonal fit and is symmetrised in float64.
+    the dense ``n x n`` block of that layer (``n = n_classes * n_features`` for a bias-free last
+    layer, 840 for LeNet), computed in closed form by :func:`last_layer_block` from one forward
+    pass: the exact GGN ``sum_n (diag p_n - p_n p_n^T) (x) psi_n psi_n^T`` for the GGN and MC
+    backends (what laplace-torch's last-layer ``"full"`` Laplace returns with an exact-GGN
+    backend; tested against it and against a dense Jacobian GGN), the empirical Fisher for
+    ``*_ef``. laplace-torch forms the same block from dense per-sample Jacobians
+    ``sum_n J_n^T H_n J_n``, ignoring ``J_n = I (x) psi_n^T``: 13.2 s against 3.4 s for the
+    whole diagonal under the load below; the closed form is two GEMMs. The diagonal of an
+    already fitted ``diag`` section of the same member is reused (``diagonal=``).
 
 Backends (``backend=``): ``"<library>_<type>"`` with library ``curvlinops``, ``asdl``,
 ``backpack`` and type ``ggn`` (exact GGN; for K-FAC the "type-2" K-FAC, one backward pass per
@@ -39,10 +41,6 @@ Known limitations, measured by ``benchmarks/curvature_backends.py``:
 * ``backpack_*`` K-FAC needs a plain ``nn.Sequential`` model and, through laplace-torch,
   returns convolution factors on another scale (LeNet's conv layers off by factors of 10^2 -
   10^3 relative to Curvlinops / ASDL); ``backpack_ef`` has no K-FAC. Its diagonals are fine.
-* ``diag_full``'s dense last-layer block costs more than the diagonal itself (asdl_mc: 13.2 s
-  against 3.4 s under the load below): laplace-torch contracts ``sum_n J_n^T H_n J_n`` with
-  dense last-layer Jacobians, ignoring ``J_n = I (x) phi_n^T``; the structured sum
-  ``sum_n G_n (x) phi_n phi_n^T`` would be ~10x cheaper.
 * The MC diagonal (``asdl_mc`` = ``backpack_mc`` with the same seed) came out ~1-3 % above the
   exact diagonal on the larger entries of LeNet (log det +1270 of 233,000); the MC K-FAC did not
   show this (log det -80 ... -530 of 171,000 over seeds).
@@ -98,21 +96,6 @@ BACKENDS: dict[str, tuple[type[CurvatureInterface], dict[str, Any]]] = {
     "backpack_ggn": (BackPackGGN, {}),
     "backpack_mc": (BackPackGGN, {"stochastic": True}),
     "backpack_ef": (BackPackEF, {}),
-}
-# Backend of the dense last-layer block of diag_full. laplace-torch forms it as
-# sum_n J_n^T H_n J_n from last-layer Jacobians, a contraction whose cost (not the sampling)
-# dominates, so the exact GGN costs the same as its MC estimate and the GGN/MC backends all use
-# the exact GGN (AsdlGGN: 1.6x faster than CurvlinopsGGN's dense linear operator here). The EF
-# backends keep the EF; laplace-torch's AsdlEF cannot compute this block (it returns the
-# gradients of all parameters), Curvlinops computes the same empirical Fisher.
-LAST_LAYER_BACKEND = {
-    "curvlinops_ggn": "asdl_ggn",
-    "curvlinops_mc": "asdl_ggn",
-    "asdl_mc": "asdl_ggn",
-    "backpack_ggn": "asdl_ggn",
-    "backpack_mc": "asdl_ggn",
-    "asdl_ef": "curvlinops_ef",
-    "backpack_ef": "curvlinops_ef",
 }
 DEFAULT_BACKEND = "asdl_mc"
 STRUCTURES = ("kron", "diag", "diag_full")
@@ -213,12 +196,14 @@ def fit_curvature(
     backend: str = DEFAULT_BACKEND,
     batch_size: int = 256,
     seed: int | None = 0,
+    diagonal: DiagCurvature | None = None,
 ) -> Curvature:
     """Laplace curvature of the trained ``model`` (the MAP) on the client data ``(x, y)``.
 
     Returns a :class:`Curvature` of the given ``structure`` (``kron``, ``diag``,
     ``diag_full``) whose precision is ``H / temperature + I / prior_var``; ``model`` itself is
-    not modified (laplace-torch works on a deep copy).
+    not modified (laplace-torch works on a deep copy). ``diagonal``: this member's ``diag``
+    fit with the same settings, if already computed; ``diag`` / ``diag_full`` reuse it.
     """
     if structure not in STRUCTURES:
         raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
@@ -235,32 +220,80 @@ def fit_curvature(
     if structure == "kron":
         la = fit_laplace(model, x, y, "kron", **common)
         return kron_from_laplace(la, shapes, temperature, prior_var)
-    la = fit_laplace(model, x, y, "diag", **common)
-    diag_curv = diag_from_laplace(la, shapes, temperature, prior_var)
+    if diagonal is None:
+        la = fit_laplace(model, x, y, "diag", **common)
+        diagonal = diag_from_laplace(la, shapes, temperature, prior_var)
     if structure == "diag":
-        return diag_curv
-    last_name = _last_linear_name(model, shapes)
-    common["backend"] = LAST_LAYER_BACKEND.get(backend, backend)
-    la_last = fit_laplace(
-        model,
-        x,
-        y,
-        "full",
-        subset_of_weights="last_layer",
-        last_layer_name=last_name,
-        **common,
-    )
-    arrays = {k: v for k, v in diag_curv.to_arrays().items()}
+        return diagonal
+    block = last_layer_block(model, _last_linear_name(model, shapes), x, y,
+                             "ef" if backend.endswith("_ef") else "ggn", batch_size)
+    arrays = dict(diagonal.to_arrays())
     last = last_layer_names(shapes)
     for name in last:
         del arrays[f"{name}/ggn_diag"]
-    block = la_last.H.detach().double()
     # A GGN block is PSD in exact arithmetic; float32 accumulation over thousands of samples
     # leaves small negative eigenvalues, so project onto the PSD cone (in float64) before upload.
     evals, evecs = torch.linalg.eigh(0.5 * (block + block.T))
     block = (evecs * evals.clamp(min=0)) @ evecs.T
-    arrays[f"{last[0]}/ggn_full"] = to_numpy((0.5 * (block + block.T)).to(la_last.H.dtype))
+    dtype = next(model.parameters()).dtype
+    arrays[f"{last[0]}/ggn_full"] = to_numpy((0.5 * (block + block.T)).to(dtype))
     return DiagFullCurvature.from_arrays(arrays, shapes, temperature, prior_var)
+
+
+@torch.no_grad()
+def last_layer_block(
+    model: nn.Module,
+    layer_name: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    fisher: str = "ggn",
+    batch_size: int = 256,
+) -> torch.Tensor:
+    """Dense curvature of the ``nn.Linear`` ``layer_name`` summed over ``(x, y)``, float64,
+    in laplace-torch's order of its parameters (``vec(W)`` row-major, then the bias).
+
+    With ``psi_n`` the layer's input (and a trailing 1 for the bias), the logits' Jacobian with
+    respect to the layer's parameters is ``I_K (x) psi_n^T`` up to that order, so the block is
+    ``sum_n G_n (x) psi_n psi_n^T``: ``fisher="ggn"``: ``G_n = diag(p_n) - p_n p_n^T`` (the exact
+    GGN of the cross-entropy), i.e. ``blockdiag_k(sum_n p_nk psi_n psi_n^T) - V^T V`` with rows
+    ``V_n = p_n (x) psi_n``; ``fisher="ef"``: ``G_n = g_n g_n^T``, ``g_n = p_n - e_{y_n}`` (the
+    empirical Fisher), i.e. ``V^T V`` with ``V_n = g_n (x) psi_n``. Batches are reduced in the
+    model's dtype and summed in float64.
+    """
+    if fisher not in ("ggn", "ef"):
+        raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
+    layer = dict(model.named_modules())[layer_name]
+    classes, features = layer.out_features, layer.in_features
+    width = features + (layer.bias is not None)
+    inputs: list[torch.Tensor] = []
+    handle = layer.register_forward_hook(lambda _m, args, _out: inputs.append(args[0]))
+    was_training = model.training
+    model.eval()
+    outer = torch.zeros(classes * width, classes * width, dtype=torch.float64)
+    class_blocks = torch.zeros(classes, width, width, dtype=torch.float64)
+    try:
+        for start in range(0, len(y), batch_size):
+            inputs.clear()
+            prob = model(x[start : start + batch_size]).softmax(-1)
+            psi = inputs[0].reshape(len(prob), features)
+            if layer.bias is not None:
+                psi = torch.cat([psi, torch.ones_like(psi[:, :1])], dim=1)
+            if fisher == "ggn":
+                class_blocks += torch.einsum("nk,nf,ng->kfg", prob, psi, psi).double()
+                rows = prob
+            else:
+                rows = prob - nn.functional.one_hot(y[start : start + batch_size], classes)
+            v = (rows[:, :, None] * psi[:, None, :]).reshape(len(prob), -1)
+            outer += (v.T @ v).double()
+    finally:
+        handle.remove()
+        model.train(was_training)
+    block = torch.block_diag(*class_blocks) - outer if fisher == "ggn" else outer
+    # (class k, column j) -> laplace-torch's position: W[k, j] at k * features + j, b[k] after W
+    position = [k * features + j if j < features else classes * features + k
+                for k in range(classes) for j in range(width)]
+    order = torch.argsort(torch.tensor(position))
+    return block[order][:, order]
 
 
 def kron_from_laplace(

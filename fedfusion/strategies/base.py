@@ -103,6 +103,10 @@ class FusionStrategy(Strategy, ABC):
         #: called with the valid uploads before fusing, so they are kept even if fusion fails
         self.upload_sink: Callable[[list[ClientUpload]], None] | None = None
         self.fuse_seconds = 0.0
+        #: wall seconds from sending the train messages to holding every reply, summed over
+        #: rounds: the client phase as the server sees it (training, statistics, transfer)
+        self.client_round_seconds = 0.0
+        self._sent_at: float | None = None
 
     @classmethod
     def from_settings(cls, context: FusionContext, settings: Any) -> FusionStrategy:
@@ -179,6 +183,7 @@ class FusionStrategy(Strategy, ABC):
             config["optional-sections"] = optional
         record = RecordDict({"arrays": arrays, "config": config})
         log.info("[%s] round %d: sending to %d client(s)", self.name, server_round, len(node_ids))
+        self._sent_at = time.perf_counter()
         return [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)
                 for node in node_ids]
 
@@ -186,6 +191,9 @@ class FusionStrategy(Strategy, ABC):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode + validate each reply (excluding bad ones), then fuse."""
+        if self._sent_at is not None:
+            self.client_round_seconds += time.perf_counter() - self._sent_at
+            self._sent_at = None
         valid: list[ClientUpload] = []
         for reply in replies:
             node = reply.metadata.src_node_id

@@ -20,7 +20,7 @@ from fedfusion.curvature import (
     fit_curvature,
     mixture_log_posterior,
 )
-from fedfusion.curvature.fit import fit_laplace, kron_from_laplace
+from fedfusion.curvature.fit import fit_laplace, kron_from_laplace, last_layer_block
 from fedfusion.models import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -446,6 +446,41 @@ def test_fit_leaves_model_untouched_and_mc_fit_is_seeded(members, data) -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
     assert not hasattr(model, "output_size")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_last_layer_block_equals_laplace_torchs_last_layer_ggn(bias, data) -> None:
+    """The closed form sum_n G_n (x) psi psi^T, in laplace-torch's parameter order (vec(W),
+    then b), equals laplace-torch's last-layer "full" Laplace with an exact-GGN backend."""
+    x, y = data
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(36, HIDDEN, bias=False), nn.Tanh(),
+                          nn.Linear(HIDDEN, CLASSES, bias=bias)).double()
+    train(model, x, y, steps=10)
+    la = fit_laplace(model, x, y, "full", subset_of_weights="last_layer", last_layer_name="3",
+                     temperature=T, prior_var=SIGMA2, backend="asdl_ggn")
+    ours = last_layer_block(model, "3", x, y, "ggn", batch_size=64)
+    assert ours.shape == (CLASSES * (HIDDEN + bias),) * 2
+    torch.testing.assert_close(ours, la.H.double(), rtol=1e-9, atol=1e-9)
+
+
+def test_last_layer_block_empirical_fisher_is_the_gradient_outer_product(members, data) -> None:
+    x, y = data
+    model = members[1]
+    last = model.net[3].weight
+    grads = torch.stack([torch.autograd.grad(
+        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1], reduction="sum"),
+        last)[0].reshape(-1) for n in range(len(y))])
+    ours = last_layer_block(model, "net.3", x, y, "ef", batch_size=64)
+    torch.testing.assert_close(ours, grads.T @ grads, rtol=1e-9, atol=1e-9)
+
+
+def test_diag_full_reuses_a_given_diagonal(members, data, curvatures) -> None:
+    x, y = data
+    reused = fit_curvature(members[0], x, y, "diag_full", temperature=T, prior_var=SIGMA2,
+                           backend=EXACT, diagonal=curvatures["diag"][0])
+    for key, value in curvatures["diag_full"][0].to_arrays().items():
+        np.testing.assert_array_equal(reused.to_arrays()[key], value, err_msg=key)
 
 
 def test_lenet_conv_layout_and_last_layer() -> None:
