@@ -31,6 +31,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedfusion import setup_logging
 from fedfusion.config import Settings
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.federation import federated_split
@@ -239,6 +240,7 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Flower entry point: one round of local training and the upload."""
+    setup_logging()
     settings = settings_for_node(context.run_config, context.node_config)
     client_id = int(context.node_config["partition-id"])
     return Message(content=handle_train(settings, client_id, msg.content, context.state),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import torch
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedfusion import setup_logging
 from fedfusion.client_app import default_model
 from fedfusion.config import ConfigError, Settings
 from fedfusion.evaluation import evaluate, resolve_device
@@ -43,15 +43,6 @@ DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "lab
              "num-members", "local-epochs", "lr", "momentum", "batch-size", "client-models")
 
 app = ServerApp()
-
-
-def setup_logging() -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(asctime)s fedfusion %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
 
 
 def initial_models(spec: ModelSpec, num_members: int, seed: int) -> list[NumpyDict]:
