@@ -68,16 +68,6 @@ import copy
 from typing import Any
 
 import torch
-from laplace import Laplace
-from laplace.curvature import (
-    AsdlEF,
-    AsdlGGN,
-    BackPackEF,
-    BackPackGGN,
-    CurvatureInterface,
-    CurvlinopsEF,
-    CurvlinopsGGN,
-)
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
@@ -86,16 +76,19 @@ from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
 
-BACKENDS: dict[str, tuple[type[CurvatureInterface], dict[str, Any]]] = {
-    "curvlinops_ggn": (CurvlinopsGGN, {}),
-    "curvlinops_mc": (CurvlinopsGGN, {"stochastic": True}),
-    "curvlinops_ef": (CurvlinopsEF, {}),
-    "asdl_ggn": (AsdlGGN, {}),
-    "asdl_mc": (AsdlGGN, {"stochastic": True}),
-    "asdl_ef": (AsdlEF, {}),
-    "backpack_ggn": (BackPackGGN, {}),
-    "backpack_mc": (BackPackGGN, {"stochastic": True}),
-    "backpack_ef": (BackPackEF, {}),
+#: backend name -> (laplace-torch curvature class in ``laplace.curvature``, its kwargs). Named,
+#: not imported: laplace-torch and what it loads take ~0.3 GB of memory per process, which the
+#: server (which never fits) does not need; :func:`_laplace` imports it on the first fit.
+BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "curvlinops_ggn": ("CurvlinopsGGN", {}),
+    "curvlinops_mc": ("CurvlinopsGGN", {"stochastic": True}),
+    "curvlinops_ef": ("CurvlinopsEF", {}),
+    "asdl_ggn": ("AsdlGGN", {}),
+    "asdl_mc": ("AsdlGGN", {"stochastic": True}),
+    "asdl_ef": ("AsdlEF", {}),
+    "backpack_ggn": ("BackPackGGN", {}),
+    "backpack_mc": ("BackPackGGN", {"stochastic": True}),
+    "backpack_ef": ("BackPackEF", {}),
 }
 DEFAULT_BACKEND = "asdl_mc"
 STRUCTURES = ("kron", "diag", "diag_full")
@@ -114,7 +107,10 @@ def _laplace(
 ) -> Any:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    backend_cls, backend_kwargs = BACKENDS[backend]
+    from laplace import Laplace, curvature
+
+    class_name, backend_kwargs = BACKENDS[backend]
+    backend_cls = getattr(curvature, class_name)
     if backend.startswith("asdl"):
         asdl_speedup.install()  # conv K-FAC factors without a transposed copy of the batch
     la = Laplace(
