@@ -133,6 +133,14 @@ def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
         time.sleep(poll_s)
 
 
+def live_timing(live: dict) -> dict[str, float]:
+    """Wall seconds of the live run: whole, client phase (send -> every upload), server."""
+    timing = live["timing"]
+    return {"live_wall_s": timing["wall_s"], "client_train_s_sum": timing["client_train_s_sum"],
+            "client_round_s": timing.get("client_round_s", math.nan),
+            "server_live_s": timing["server_fuse_s"]}
+
+
 def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
     """One (alpha, seed): the live run (stages all / live), then its replays (all / replay)."""
     name = f"a{alpha:g}-s{seed}"
@@ -155,8 +163,7 @@ def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
     clients = live["clients"]
     members = sum(c["num_members"] for c in clients)
     row: dict = {
-        "alpha": alpha, "seed": seed, "live_wall_s": live["timing"]["wall_s"],
-        "client_train_s_sum": live["timing"]["client_train_s_sum"],
+        "alpha": alpha, "seed": seed, **live_timing(live),
         # per member, summed over clients' members then divided: the cost of one member
         "train_s_per_member": live["timing"]["client_train_s_sum"] / members,
         "section_s_per_member": {
@@ -191,13 +198,20 @@ def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
     return row
 
 
-def fmt(values: list[float]) -> str:
+def fmt(values: list[float], paper: float | None = None) -> str:
+    """``mean +- sd`` in %, the paper's value in brackets, and ``(higher)`` / ``(lower)`` where
+    the paper's value lies more than one of our sd away from our mean."""
     values = [v for v in values if not math.isnan(v)]
     if not values:
         return "-"
+    ref = f" [{paper}]" if paper is not None else ""
     if len(values) == 1:
-        return f"{100 * values[0]:.2f} (1 seed)"
-    return f"{100 * statistics.mean(values):.2f} +- {100 * statistics.stdev(values):.2f}"
+        return f"{100 * values[0]:.2f} (1 seed){ref}"
+    mean, sd = 100 * statistics.mean(values), 100 * statistics.stdev(values)
+    flag = ""
+    if paper is not None and abs(mean - paper) > sd:
+        flag = " (higher)" if mean > paper else " (lower)"
+    return f"{mean:.2f} +- {sd:.2f}{ref}{flag}"
 
 
 def print_tables(rows: list[dict], members: int) -> None:
@@ -219,9 +233,8 @@ def print_tables(rows: list[dict], members: int) -> None:
                       if r["alpha"] == alpha and method in r["methods"]]
             paper = PAPER.get(method)
             value = paper[PAPER_ALPHAS.index(alpha)] if paper and alpha in PAPER_ALPHAS else None
-            ref = f" [{value}]" if value is not None else ""
-            cells.append(fmt(values) + ref)
-        if any(c.split(" [")[0] != "-" for c in cells):
+            cells.append(fmt(values, value))
+        if any(c != "-" for c in cells):
             label = LABELS.get(method, f"FedBEns, M = {method.removeprefix('fedbens_m')}")
             print(f"| {label} | " + " | ".join(cells) + " |")
 
@@ -243,8 +256,18 @@ def print_tables(rows: list[dict], members: int) -> None:
         server = [v for v in server if not math.isnan(v)]
         print(f"| {LABELS[method]} | {client:.1f} | "
               f"{statistics.mean(server) if server else math.nan:.1f} | {upload:.2f} |")
-    print("\nKron fit / local training time: "
-          + ", ".join(f"{100 * r['fit_over_train']:.1f}%" for r in rows))
+    ratios = [100 * r["fit_over_train"] for r in rows]
+    print(f"\nKron fit / local training time, per member: {statistics.mean(ratios):.1f}% "
+          f"(min {min(ratios):.1f}%, max {max(ratios):.1f}%, {len(ratios)} runs)")
+    print("Upload MB per member: " + ", ".join(f"{s} {mb:.3f}" for s, mb in sec_mb.items()))
+    print("\nLive FedBEns runs (wall seconds, mean +- sd over the runs): "
+          "whole `flwr run`, client phase, server fusion (5 x 300 steps + validation)")
+    for key in ("live_wall_s", "client_round_s", "server_live_s"):
+        values = [r[key] for r in rows if not math.isnan(r.get(key, math.nan))]
+        if values:
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            print(f"  {key}: {statistics.mean(values):.1f} +- {sd:.1f} "
+                  f"(min {min(values):.1f}, max {max(values):.1f})")
 
 
 def plot(rows: list[dict], members: int, path: Path) -> None:
@@ -314,6 +337,10 @@ def main() -> None:
     results = Path(args.results)
     rows = json.loads(results.read_text()) if results.is_file() else []
     rows = [r for r in rows if "methods" in r]  # rows of this script's format
+    for row in rows:  # rows written before live_timing() existed: read the live run again
+        live_file = Path(args.out) / f"a{row['alpha']:g}-s{row['seed']}" / "results.json"
+        if "client_round_s" not in row and live_file.is_file():
+            row.update(live_timing(json.loads(live_file.read_text())))
     if not args.tables_only:
         for seed in (int(s) for s in args.seeds.split(",")):
             for alpha in (float(a) for a in args.alphas.split(",")):
