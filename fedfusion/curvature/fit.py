@@ -265,8 +265,8 @@ def last_layer_block(
     handle = layer.register_forward_hook(lambda _m, args, _out: inputs.append(args[0]))
     was_training = model.training
     model.eval()
-    outer = torch.zeros(classes * width, classes * width, dtype=torch.float64)
-    class_blocks = torch.zeros(classes, width, width, dtype=torch.float64)
+    outer = torch.zeros(classes * width, classes * width, dtype=torch.float64, device=x.device)
+    class_blocks = torch.zeros(classes, width, width, dtype=torch.float64, device=x.device)
     try:
         for start in range(0, len(y), batch_size):
             inputs.clear()
@@ -288,7 +288,7 @@ def last_layer_block(
     # (class k, column j) -> laplace-torch's position: W[k, j] at k * features + j, b[k] after W
     position = [k * features + j if j < features else classes * features + k
                 for k in range(classes) for j in range(width)]
-    order = torch.argsort(torch.tensor(position))
+    order = torch.argsort(torch.tensor(position, device=block.device))
     return block[order][:, order]
 
 
