@@ -221,7 +221,8 @@ def print_tables(rows: list[dict], members: int) -> None:
     seeds = sorted({r["seed"] for r in rows})
     print(f"\nTest accuracy (%), FMNIST, LeNet, C=5, mean +- sd over seeds {seeds}; "
           "paper Table 1 in brackets")
-    print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+    counts = {a: sum(r["alpha"] == a for r in rows) for a in alphas}
+    print("| method | " + " | ".join(f"alpha {a:g} ({counts[a]} seeds)" for a in alphas) + " |")
     print("|---|" + "---|" * len(alphas))
     methods = ["fedbens", "fedbens_noval", "fedbens_noval300",
                *[f"fedbens_m{m}" for m in range(1, members)],
@@ -337,10 +338,14 @@ def main() -> None:
     results = Path(args.results)
     rows = json.loads(results.read_text()) if results.is_file() else []
     rows = [r for r in rows if "methods" in r]  # rows of this script's format
+    backfilled = False
     for row in rows:  # rows written before live_timing() existed: read the live run again
         live_file = Path(args.out) / f"a{row['alpha']:g}-s{row['seed']}" / "results.json"
         if "client_round_s" not in row and live_file.is_file():
             row.update(live_timing(json.loads(live_file.read_text())))
+            backfilled = True
+    if backfilled:
+        results.write_text(json.dumps(rows, indent=1))
     if not args.tables_only:
         for seed in (int(s) for s in args.seeds.split(",")):
             for alpha in (float(a) for a in args.alphas.split(",")):
