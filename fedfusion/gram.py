@@ -145,8 +145,9 @@ def validate_grams(arrays: Mapping[str, np.ndarray],
         if asymmetry > SYMMETRY_TOL * scale:
             raise ValueError(f"array {name!r} is not symmetric (max |G - G^T| = {asymmetry:.3g},"
                              f" max diag {scale:.3g})")
-        try:
-            np.linalg.cholesky(gram + PSD_TOL * scale * np.eye(size))
-        except np.linalg.LinAlgError:
+        # torch, not numpy: numpy's OpenBLAS was seen spinning forever here inside a Flower
+        # simulation process (see fedfusion.launch)
+        shifted = torch.from_numpy(gram + PSD_TOL * scale * np.eye(size))
+        if int(torch.linalg.cholesky_ex(shifted).info) != 0:
             raise ValueError(f"array {name!r} is not positive semi-definite (an eigenvalue "
-                             f"below -{PSD_TOL:g} * max diag)") from None
+                             f"below -{PSD_TOL:g} * max diag)")

@@ -7,7 +7,8 @@ detached local SuperLink that outlives the run; ``flwr run`` also exits 0 when t
 fails. This launcher makes a run self-contained:
 
 * a private ``FLWR_HOME`` and free ports, so it never reuses a stale SuperLink;
-* ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (the environment is already set up);
+* ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (the environment is already set up) and
+  ``OPENBLAS_NUM_THREADS=1`` (see :func:`launch`);
 * ``--federation-config`` from ``[tool.fedfusion.simulation]`` in pyproject.toml, with one
   SuperNode per client (``num-clients``);
 * the SuperLink and everything it started are stopped afterwards;
@@ -117,6 +118,10 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
                FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
                FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                FLWR_DISABLE_UPDATE_CHECK="1")
+    # numpy's OpenBLAS thread pool spun forever (100% of a core, >8 min) inside a 256 x 256
+    # Cholesky in the ServerApp thread of flwr-simulation (Ray loaded), twice; the same replay
+    # alone took 17 s. The server's numpy matrices are small: one BLAS thread is enough.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     bin_dir = Path(sys.executable).parent
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     federation_config = " ".join(f"{k}={v}" for k, v in federation.items())
