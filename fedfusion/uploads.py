@@ -23,6 +23,7 @@ from fedfusion.curvature import (
     curvature_from_arrays,
     fit_curvature,
 )
+from fedfusion.curvature.fit import param_shapes
 from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
 #: (trained member, client inputs, labels, settings, the member's sections built so far) -> arrays
@@ -67,7 +68,7 @@ def _curvature_builder(structure: str) -> SectionBuilder:
         diagonal = None
         if structure != "kron" and curvature_section("diag") in built:
             diagonal = DiagCurvature.from_arrays(
-                built[curvature_section("diag")], _param_shapes(model), settings.temperature,
+                built[curvature_section("diag")], param_shapes(model), settings.temperature,
                 settings.prior_var)
         curvature = fit_curvature(
             model, x, y, structure,
@@ -80,10 +81,6 @@ def _curvature_builder(structure: str) -> SectionBuilder:
                                        eigvec_dtype=np.float16 if settings.curvature_half else None)
         return curvature.to_arrays()
     return build
-
-
-def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _curvature_validator(structure: str) -> SectionValidator:

@@ -162,7 +162,8 @@ def fit_laplace(
         )
 
 
-def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the parameters that require grad."""
     return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -203,7 +204,7 @@ def fit_curvature(
     """
     if structure not in STRUCTURES:
         raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
-    shapes = _param_shapes(model)
+    shapes = param_shapes(model)
     if list(shapes) != [name for name, _ in model.named_parameters()]:
         raise ValueError("all parameters must require grad (the Laplace is over all weights)")
     common = dict(
