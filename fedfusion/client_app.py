@@ -34,11 +34,12 @@ from torch import nn
 from fedfusion import setup_logging
 from fedfusion.config import Settings
 from fedfusion.contrastive import ContrastiveTerm
+from fedfusion.curvature import import_laplace
 from fedfusion.federation import federated_split
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.predictors import ModelSpec
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local
-from fedfusion.uploads import build_section
+from fedfusion.uploads import CURVATURE_PREFIX, build_section
 
 log = logging.getLogger("fedfusion")
 
@@ -136,6 +137,11 @@ def run_client(
     section_s = dict.fromkeys([*sections, *optional], 0.0)
     failed: dict[str, str] = {}
     contrastive_members = 0
+    if any(section.startswith(CURVATURE_PREFIX) for section in section_s):
+        # once per process, before the timed fits (else member 0's fit carries it)
+        import_s = import_laplace()
+        if import_s > 0:
+            log.info("client %d: laplace-torch imported in %.1f s", client_id, import_s)
     for m in range(settings.num_members):
         seed = member_seed(settings, client_id, m, server_round)
         torch.manual_seed(seed)

@@ -57,9 +57,13 @@ def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: 
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
 
+#: prefix of the upload sections that hold a Laplace curvature (fitted with laplace-torch)
+CURVATURE_PREFIX = "curvature."
+
+
 def curvature_section(structure: str) -> str:
     """Upload section holding a member's Laplace curvature of ``structure``."""
-    return f"curvature.{structure}"
+    return f"{CURVATURE_PREFIX}{structure}"
 
 
 def _curvature_builder(structure: str) -> SectionBuilder:

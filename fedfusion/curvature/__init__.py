@@ -21,6 +21,7 @@ from fedfusion.curvature.fit import (
     STRUCTURES,
     fit_curvature,
     fit_laplace,
+    import_laplace,
 )
 from fedfusion.curvature.kron import KronCurvature
 from fedfusion.curvature.mixture import (
@@ -64,6 +65,7 @@ __all__ = [
     "curvature_from_arrays",
     "fit_curvature",
     "fit_laplace",
+    "import_laplace",
     "log_prior",
     "mixture_log_posterior",
 ]

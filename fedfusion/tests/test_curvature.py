@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -537,3 +539,20 @@ def test_asdl_speedup_fit_equals_asdls_own_factors(monkeypatch) -> None:
         for attr in ("eigvals_in", "eigvals_out"):
             torch.testing.assert_close(getattr(fast.factors[name], attr),
                                        getattr(factor, attr), rtol=1e-5, atol=1e-6)
+
+
+def test_server_never_imports_laplace_and_clients_import_it_once() -> None:
+    """The server side (strategies, ServerApp) stays free of laplace-torch (~0.3 GB per
+    process); ``import_laplace`` loads it once and reports the time it took."""
+    script = (
+        "import sys\n"
+        "import fedfusion.server_app, fedfusion.strategies, fedfusion.curvature\n"
+        "assert 'laplace' not in sys.modules, 'the server side imported laplace-torch'\n"
+        "from fedfusion.curvature import import_laplace\n"
+        "first, second = import_laplace(), import_laplace()\n"
+        "assert 'laplace' in sys.modules\n"
+        "assert first > 0 and second == 0, (first, second)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
