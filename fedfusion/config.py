@@ -41,6 +41,7 @@ class Settings:
     min_samples: int = 10
     num_clients: int = 5
     seed: int = 0
+    split_seed: int = -1
     # model and local training
     model: str = ""
     model_kwargs: str = ""
@@ -156,6 +157,8 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:
             raise ConfigError("run-config 'alpha' must be > 0")
+        if self.split_seed < -1:
+            raise ConfigError("run-config 'split-seed' must be -1 (follow 'seed') or >= 0")
         for key in ("lr", "temperature", "prior-var", "server-lr", "server-clip"):
             if getattr(self, key.replace("-", "_")) <= 0:
                 raise ConfigError(f"run-config {key!r} must be > 0")
@@ -185,6 +188,13 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be a finite number >= 0")
         if not (self.contrastive_temperature > 0 and math.isfinite(self.contrastive_temperature)):
             raise ConfigError("run-config 'contrastive-temperature' must be > 0")
+
+    @property
+    def data_seed(self) -> int:
+        """Seed of the validation holdout, training subset and partition: ``split-seed``, or
+        ``seed`` when it is -1. Fixing it while ``seed`` varies repeats a run on one split with
+        other inits and batch orders (the FedBEns authors' code does this)."""
+        return self.seed if self.split_seed < 0 else self.split_seed
 
     def parsed_model_kwargs(self) -> dict[str, Any]:
         if not self.model_kwargs:

@@ -3,7 +3,7 @@
 The server (for the class histogram and evaluation) and every ClientApp (in its own Ray
 actor or SuperNode) call :func:`federated_split` with the same settings and get the same
 partition: loading, the validation holdout, the optional training subset and the
-partitioner are all functions of the seed.
+partitioner are all functions of the data seed (``split-seed``, or ``seed`` when it is -1).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def federated_split(settings: Settings) -> FederatedSplit:
                   settings.train_subset, settings.partitioner, settings.alpha,
                   settings.parsed_labels_per_client(), settings.parsed_fractions(),
                   settings.min_samples,
-                  settings.num_clients, settings.seed)
+                  settings.num_clients, settings.data_seed)
 
 
 @functools.lru_cache(maxsize=4)

@@ -39,7 +39,8 @@ log = logging.getLogger("fedfusion")
 #: run-config keys that decide the clients' data and models: a replay takes them from the
 #: upload folder's manifest, since the uploads were trained under them
 DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
-             "fractions", "min-samples", "num-clients", "seed", "model", "model-kwargs",
+             "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
+             "model-kwargs",
              "num-members", "local-epochs", "lr", "momentum", "batch-size", "client-models")
 
 app = ServerApp()
@@ -196,6 +197,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     results.update(strategy=strategy.name, dataset=settings.dataset, model=spec.name,
                    partitioner=settings.partitioner, alpha=settings.alpha,
                    num_clients=settings.num_clients, seed=settings.seed,
+                   split_seed=settings.data_seed,
                    num_rounds=settings.num_rounds, device=str(device))
 
 
