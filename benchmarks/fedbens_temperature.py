@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 from pathlib import Path
 
 from common import REPO
-from fedbens import replay
+from fedbens import fmt, replay
 
 LIVE_TEMPERATURE = 0.1
 RESULTS = REPO / "benchmarks" / "results" / "fedbens_temperature.json"
@@ -39,12 +38,6 @@ def accuracies(results: dict) -> dict[str, float]:
     if results.get("status") != "ok":
         return {"test": float("nan"), "val": float("nan")}
     return {"test": results["test"]["accuracy"], "val": results["val"]["accuracy"]}
-
-
-def fmt(values: list[float]) -> str:
-    values = [100 * v for v in values]
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.2f} +- {sd:.2f}"
 
 
 def main() -> None:

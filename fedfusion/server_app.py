@@ -40,8 +40,8 @@ log = logging.getLogger("fedfusion")
 #: upload folder's manifest, since the uploads were trained under them
 DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
              "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
-             "model-kwargs",
-             "num-members", "local-epochs", "lr", "momentum", "batch-size", "client-models")
+             "model-kwargs", "num-members", "local-epochs", "lr", "momentum", "batch-size",
+             "client-models")
 
 app = ServerApp()
 

@@ -122,7 +122,6 @@ def _laplace(
 ) -> Any:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    import_laplace()
     from laplace import Laplace, curvature
 
     class_name, backend_kwargs = BACKENDS[backend]

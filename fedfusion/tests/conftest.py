@@ -7,7 +7,12 @@ import pytest
 from fedfusion.config import Settings
 from fedfusion.inprocess import InProcessGrid, ensure_task_identity
 
-__all__ = ["InProcessGrid"]  # tests import it from here
+__all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid"]  # tests import them from here
+
+#: limit of one `flwr run` launched by a test: a run here takes 10-60 s; a hung simulation
+#: (seen once, while another process started its own Ray cluster at the same moment) fails
+#: its test instead of stalling CI
+LAUNCH_TIMEOUT_S = 600
 
 ensure_task_identity()
 

@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 
 from fedfusion.launch import launch
+from fedfusion.tests.conftest import LAUNCH_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = "num-clients=3 local-epochs=2 train-subset=9000 alpha=1.0 val-size=300"
-#: a run here takes 10-60 s; a hung simulation (seen once, while another process started its
-#: own Ray cluster at the same moment) fails its test instead of stalling CI
-LAUNCH_TIMEOUT_S = 600
 
 
 def _superlinks() -> int:

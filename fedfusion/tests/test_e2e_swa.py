@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 
 from fedfusion.launch import launch
+from fedfusion.tests.conftest import LAUNCH_TIMEOUT_S
 
 
 def test_swa_with_contrastive_clients_through_flwr_run(tmp_path):
     results = launch("num-clients=3 local-epochs=2 lr=0.05 train-subset=3000 alpha=1.0 "
                      "val-size=300 strategy=swa num-rounds=2 contrastive-weight=1.0 "
-                     f"output-dir='{tmp_path}' run-name=swa", timeout=600)  # (see test_e2e_flower)
+                     f"output-dir='{tmp_path}' run-name=swa", timeout=LAUNCH_TIMEOUT_S)
     assert results["status"] == "ok" and results["strategy"] == "swa"
     assert len(results["rounds"]) == 2 and not results["excluded"]
     assert [c["contrastive_members"] for c in results["clients"]] == [1, 1, 1]
