@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedfusion.launch import launch  # noqa: E402
+from fedfusion.app.launch import launch  # noqa: E402
 
 
 def live_run(run_config: str, out: str, name: str) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from common import REPO, live_run
 
-from fedfusion.config import Settings  # noqa: E402
+from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 from fedfusion.upload_store import load_uploads  # noqa: E402
 

@@ -19,7 +19,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedfusion.config import Settings  # noqa: E402
+from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.curvature import KronCurvature  # noqa: E402
 from fedfusion.predictors import ModelSpec  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402

@@ -16,7 +16,7 @@ import time
 
 from common import REPO, live_run
 
-from fedfusion.config import Settings  # noqa: E402
+from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 
 

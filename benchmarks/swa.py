@@ -1,7 +1,7 @@
 """SWA (statistical weight aggregation) against its baselines on Fashion-MNIST (issue 6).
 
 Every run is a whole multi-round federation in this process: ``run_server`` with the
-in-process grid (:class:`fedfusion.inprocess.InProcessGrid`), so the rounds are the
+in-process grid (:class:`fedfusion.app.inprocess.InProcessGrid`), so the rounds are the
 strategy's own Message-API loop and every run leaves a ``results.json`` (per-round test
 accuracy) under ``--out``. Three tables, each over seeds 0, 1, 2 (mean +- sd of the final
 test accuracy on the 10,000 FMNIST test images):
@@ -48,9 +48,9 @@ from typing import Any
 from common import REPO
 
 from fedfusion import setup_logging  # noqa: E402
-from fedfusion.config import Settings  # noqa: E402
+from fedfusion.app.config import Settings  # noqa: E402
+from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
 from fedfusion.gaussianity import DISTANCES  # noqa: E402
-from fedfusion.inprocess import InProcessGrid  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 
 BUDGET = {"train-subset": 6000, "num-rounds": 5, "local-epochs": 2, "lr": 0.05}

@@ -32,10 +32,10 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedfusion import setup_logging
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
+from fedfusion.app.federation import federated_split
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.curvature import import_laplace
-from fedfusion.federation import federated_split
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.predictors import ModelSpec
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local

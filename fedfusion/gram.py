@@ -146,7 +146,7 @@ def validate_grams(arrays: Mapping[str, np.ndarray],
             raise ValueError(f"array {name!r} is not symmetric (max |G - G^T| = {asymmetry:.3g},"
                              f" max diag {scale:.3g})")
         # torch, not numpy: numpy's OpenBLAS was seen spinning forever here inside a Flower
-        # simulation process (see fedfusion.launch)
+        # simulation process (see fedfusion.app.launch)
         shifted = torch.from_numpy(gram + PSD_TOL * scale * np.eye(size))
         if int(torch.linalg.cholesky_ex(shifted).info) != 0:
             raise ValueError(f"array {name!r} is not positive semi-definite (an eigenvalue "

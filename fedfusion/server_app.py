@@ -25,10 +25,10 @@ from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedfusion import setup_logging
+from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.client_app import default_model
-from fedfusion.config import ConfigError, Settings
 from fedfusion.evaluation import evaluate, resolve_device
-from fedfusion.federation import FederatedSplit, federated_split
 from fedfusion.payload import ClientUpload, NumpyDict, encode_models
 from fedfusion.predictors import ModelSpec, save_predictor
 from fedfusion.strategies import FusionContext, build_strategy

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
 from fedfusion.curvature import (
     DEFAULT_BACKEND,
     STRUCTURES,

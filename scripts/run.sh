@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m fedfusion.launch --run-config "${1:-}"
+exec .venv/bin/python -m fedfusion.app.launch --run-config "${1:-}"

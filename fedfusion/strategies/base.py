@@ -110,7 +110,7 @@ class FusionStrategy(Strategy, ABC):
 
     @classmethod
     def from_settings(cls, context: FusionContext, settings: Any) -> FusionStrategy:
-        """Build from :class:`fedfusion.config.Settings`; strategies with knobs override."""
+        """Build from :class:`fedfusion.app.config.Settings`; strategies with knobs override."""
         return cls(context, num_clients=settings.num_clients)
 
     # ------------------------------------------------------------------ fusion

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.config import ConfigError
+from fedfusion.app.config import ConfigError
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble

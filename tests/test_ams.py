@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 
+from fedfusion.app.config import ConfigError, Settings
 from fedfusion.client_app import client_settings, settings_for_node
-from fedfusion.config import ConfigError, Settings
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import (
     MaxLogitSelector,
@@ -23,7 +24,6 @@ from fedfusion.predictors import (
 )
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection, FusionContext
-from fedfusion.tests.conftest import InProcessGrid
 
 #: linear "networks" (no hidden layer, no bias) on 2 input features, 3 classes
 LINEAR = ModelSpec("mlp", (1, 1, 2), 3, {"hidden_layers": 0})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 
 from fedfusion.curvature import fit_curvature
 from fedfusion.payload import ClientUpload
@@ -12,7 +13,6 @@ from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns, FusionContext
 from fedfusion.strategies.server_optim import clip_per_run
-from fedfusion.tests.conftest import InProcessGrid
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
@@ -121,7 +121,7 @@ def test_per_run_clip_matches_clip_grad_norm():
 
 def test_without_validation_the_run_length_is_server_steps_noval():
     """Paper Appendix C.4: no validation set -> the last iterate of a 100-step run."""
-    from fedfusion.config import Settings
+    from fedfusion.app.config import Settings
     from fedfusion.datasets.loading import ImageData
 
     settings = Settings(strategy="fedbens", hessian_structure="diag", server_steps=9,
@@ -137,7 +137,7 @@ def test_without_validation_the_run_length_is_server_steps_noval():
 
 def test_fedbens_on_real_fmnist_with_replay_and_client_removal(tmp_path):
     """C=3, M=2, 2 epochs on a 9,000-sample real FMNIST subset. Floor: 60% (chance 10%)."""
-    from fedfusion.config import Settings
+    from fedfusion.app.config import Settings
 
     settings = Settings(strategy="fedbens", num_clients=3, num_members=2, train_subset=9000,
                         local_epochs=2, alpha=0.5, val_size=300, server_steps=60,

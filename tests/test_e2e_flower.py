@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import LAUNCH_TIMEOUT_S
 
-from fedfusion.launch import launch
-from fedfusion.tests.conftest import LAUNCH_TIMEOUT_S
+from fedfusion.app.launch import launch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 COMMON = "num-clients=3 local-epochs=2 train-subset=9000 alpha=1.0 val-size=300"
 
 
@@ -52,7 +52,7 @@ def test_ensemble_replayed_inside_flower_matches_the_cli_replay(live, tmp_path):
     in_flower = launch(f"{COMMON} strategy=ensemble replay='{uploads}' "
                        f"output-dir='{tmp_path}' run-name=flwr-replay", timeout=LAUNCH_TIMEOUT_S)
     assert in_flower["test"]["accuracy"] >= 0.55
-    subprocess.run([sys.executable, "-m", "fedfusion.replay", str(uploads), "--strategy",
+    subprocess.run([sys.executable, "-m", "fedfusion.app.replay", str(uploads), "--strategy",
                     "ensemble", "--run-config", f"output-dir='{tmp_path}' run-name=cli"],
                    check=True, cwd=REPO)
     cli = json.loads((tmp_path / "cli" / "results.json").read_text())
@@ -61,7 +61,7 @@ def test_ensemble_replayed_inside_flower_matches_the_cli_replay(live, tmp_path):
 
 def test_fedavg_replay_equals_the_live_run(live, tmp_path):
     uploads = Path(live["output_dir"]) / "uploads"
-    subprocess.run([sys.executable, "-m", "fedfusion.replay", str(uploads), "--strategy",
+    subprocess.run([sys.executable, "-m", "fedfusion.app.replay", str(uploads), "--strategy",
                     "fedavg", "--run-config", f"output-dir='{tmp_path}' run-name=cli"],
                    check=True, cwd=REPO)
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["test"] == live["test"]
@@ -91,7 +91,7 @@ def test_fedbens_through_flwr_run_and_its_uploads_replay_exactly(fedbens_live, t
     assert live["test"]["accuracy"] >= 0.60
     assert all(c["num_members"] == 2 for c in live["clients"])
     for strategy, floor in (("fedbens", None), ("ensemble", 0.55), ("fedavg", 0.2)):
-        subprocess.run([sys.executable, "-m", "fedfusion.replay", str(uploads), "--strategy",
+        subprocess.run([sys.executable, "-m", "fedfusion.app.replay", str(uploads), "--strategy",
                         strategy, "--run-config",
                         f"server-steps=60 output-dir='{tmp_path}' run-name=r-{strategy}"],
                        check=True, cwd=REPO)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
@@ -20,7 +21,6 @@ from fedfusion.strategies.dense import (
     input_stats_loss,
     kl_teacher_student,
 )
-from fedfusion.tests.conftest import InProcessGrid
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 

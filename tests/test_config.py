@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import tomllib
 
+from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.federation import federated_split
 from fedfusion.client_app import member_seed
-from fedfusion.config import ConfigError, Settings
-from fedfusion.federation import federated_split
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import initial_models
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def test_pyproject_defaults_are_the_settings_defaults():

@@ -5,10 +5,13 @@ import numpy as np
 import pytest
 import torch
 import torchvision.datasets
+from conftest import InProcessGrid
 from flwr.app import ConfigRecord, MetricRecord
 from scipy import stats
+from test_datasets import FakeCIFAR
+from test_payload import SPEC, make_upload
 
-from fedfusion.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings
 from fedfusion.datasets import load_dataset
 from fedfusion.payload import ClientUpload, encode_models
 from fedfusion.predictors import ModelSpec
@@ -20,9 +23,6 @@ from fedfusion.strategies import (
     build_strategy,
 )
 from fedfusion.strategies.swa import SWA_DISTANCES, gaussianity_scores, layer_weights
-from fedfusion.tests.conftest import InProcessGrid
-from fedfusion.tests.test_datasets import FakeCIFAR
-from fedfusion.tests.test_payload import SPEC, make_upload
 
 TINY = ModelSpec("mlp", (1, 2, 4), 2, {"hidden_layers": 0})  # one Linear(8, 2): 16 weights
 

@@ -9,8 +9,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
+from test_fedbens import TINY, tiny_upload
 
-from fedfusion.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.payload import ClientUpload
 from fedfusion.server_app import run_server
@@ -18,8 +20,6 @@ from fedfusion.strategies import STRATEGIES, FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
-from fedfusion.tests.conftest import InProcessGrid
-from fedfusion.tests.test_fedbens import TINY, tiny_upload
 
 CONTEXT = FusionContext(TINY)
 SHAPES = dict(CONTEXT.param_shapes(TINY.name, TINY.kwargs))

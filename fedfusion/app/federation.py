@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
 from fedfusion.datasets import DatasetBundle, class_histogram, load_dataset, partition_indices
 
 

@@ -5,17 +5,17 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from fedfusion.app.config import Settings
 from fedfusion.client_app import LocalObjective, handle_train, previous_key, run_client
-from fedfusion.config import Settings
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
 from fedfusion.models import build_model
 from fedfusion.payload import decode_upload, encode_models
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import initial_models, run_server
 from fedfusion.strategies import FusionContext, build_strategy
-from fedfusion.tests.conftest import InProcessGrid
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
 
 

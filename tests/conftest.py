@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedfusion.config import Settings
-from fedfusion.inprocess import InProcessGrid, ensure_task_identity
+from fedfusion.app.config import Settings
+from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
 
 __all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid"]  # tests import them from here
 

@@ -16,8 +16,8 @@ from flwr.app import Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedfusion.app.config import Settings
 from fedfusion.client_app import handle_train, settings_for_node
-from fedfusion.config import Settings
 
 
 def ensure_task_identity() -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData
 from fedfusion.gram import gram_layers, layer_grams, layer_inputs, validate_grams
 from fedfusion.payload import ClientUpload, UploadError, validate_upload
@@ -17,7 +18,6 @@ from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import STRATEGIES, FusionContext
 from fedfusion.strategies.regmean import RegMean, parse_alphas
-from fedfusion.tests.conftest import InProcessGrid
 from fedfusion.uploads import build_section
 
 LINEAR = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 0})

@@ -1,6 +1,6 @@
 """Run a fedfusion simulation through ``flwr run`` and judge it by its results file.
 
-``python -m fedfusion.launch [--run-config "k=v ..."] [--num-supernodes N]``
+``python -m fedfusion.app.launch [--run-config "k=v ..."] [--num-supernodes N]``
 
 Flower keeps connection and simulation options outside pyproject.toml and starts a
 detached local SuperLink that outlives the run; ``flwr run`` also exits 0 when the run
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import tomllib
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch(args.run_config, args.num_supernodes)
     except RuntimeError as exc:
-        print(f"fedfusion.launch: {exc}", file=sys.stderr)
+        print(f"fedfusion.app.launch: {exc}", file=sys.stderr)
         return 1
     return 0
 

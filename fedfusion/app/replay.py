@@ -1,6 +1,6 @@
 """Replay cached client uploads into any strategy, without Flower and without training.
 
-``python -m fedfusion.replay UPLOAD_DIR --strategy ensemble [--run-config "k=v ..."]``
+``python -m fedfusion.app.replay UPLOAD_DIR --strategy ensemble [--run-config "k=v ..."]``
 
 The upload folder is the ``uploads/`` of a one-shot run with ``save-uploads=true``. Data
 and model settings come from its manifest; the strategy and server-side keys come from the
@@ -18,10 +18,10 @@ from typing import Any
 
 import tomllib
 
-from fedfusion.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings
 from fedfusion.server_app import run_server
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]
 
 
 def parse_run_config(text: str) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         replay(args.upload_dir, args.strategy, args.run_config)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"fedfusion.replay: {exc}", file=sys.stderr)
+        print(f"fedfusion.app.replay: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 from flwr.app import ArrayRecord, Message
+from test_payload import SPEC, make_upload
 
 from fedfusion.payload import UploadError, member_key
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedAvg, FusionContext, UniformEnsemble
-from fedfusion.tests.conftest import InProcessGrid
-from fedfusion.tests.test_payload import SPEC, make_upload
 
 
 def test_fedavg_is_the_sample_weighted_mean():

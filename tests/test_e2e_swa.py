@@ -9,9 +9,9 @@ round 2. Floor 40% (64.5% when written; 10% is chance).
 from __future__ import annotations
 
 import pytest
+from conftest import LAUNCH_TIMEOUT_S
 
-from fedfusion.launch import launch
-from fedfusion.tests.conftest import LAUNCH_TIMEOUT_S
+from fedfusion.app.launch import launch
 
 
 def test_swa_with_contrastive_clients_through_flwr_run(tmp_path):

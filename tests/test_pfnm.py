@@ -10,15 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 
-from fedfusion.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings
 from fedfusion.models import build_model
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import PFNM, FusionContext
 from fedfusion.strategies.pfnm import match_layer
-from fedfusion.tests.conftest import InProcessGrid
 
 VAGUE = 1e12  # sigma0^2 so large that the prior does not shrink the global neurons
 

@@ -8,9 +8,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import InProcessGrid
 from scipy.optimize import linprog
 
-from fedfusion.config import Settings
+from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
@@ -25,7 +26,6 @@ from fedfusion.strategies.otfusion import (
     transport_map,
     weight_cost,
 )
-from fedfusion.tests.conftest import InProcessGrid
 
 SPECS = {
     "lenet": ModelSpec("lenet", (1, 28, 28), 10),
