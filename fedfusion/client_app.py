@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -34,12 +33,11 @@ from torch import nn
 from fedfusion import setup_logging
 from fedfusion.app.config import Settings
 from fedfusion.app.federation import federated_split
+from fedfusion.architecture import ModelSpec
+from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
-from fedfusion.curvature import import_laplace
-from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
-from fedfusion.predictors import ModelSpec
+from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local
-from fedfusion.uploads import CURVATURE_PREFIX, build_section
 
 log = logging.getLogger("fedfusion")
 
@@ -117,10 +115,10 @@ def run_client(
     objective: LocalObjective = LocalObjective(),
     previous: Sequence[NumpyDict] = (),
 ) -> ClientUpload:
-    """Train ``settings.num_members`` members and compute the requested upload sections.
+    """Train ``settings.num_members`` members (member m from the server's init m where it
+    broadcast one, else from its own seeded init) and make the upload
+    (:func:`fedfusion.client.make_upload`).
 
-    A failing ``optional_sections`` entry (asked for replays by other strategies) is left out
-    of the upload with a warning; a failing required section fails the client.
     ``previous[m]`` is member m's model after this client's previous round (for the
     contrastive term of ``objective``)."""
     torch.set_num_threads(settings.client_threads)
@@ -131,17 +129,9 @@ def run_client(
                      bundle.num_classes, settings.parsed_model_kwargs())
     train_config = TrainConfig(settings.local_epochs, settings.lr, settings.momentum,
                                settings.batch_size)
-    members: list[dict[str, NumpyDict]] = []
+    models: list[nn.Module] = []
     train_s = 0.0
-    optional = [s for s in optional_sections if s not in sections]
-    section_s = dict.fromkeys([*sections, *optional], 0.0)
-    failed: dict[str, str] = {}
     contrastive_members = 0
-    if any(section.startswith(CURVATURE_PREFIX) for section in section_s):
-        # once per process, before the timed fits (else member 0's fit carries it)
-        import_s = import_laplace()
-        if import_s > 0:
-            log.info("client %d: laplace-torch imported in %.1f s", client_id, import_s)
     for m in range(settings.num_members):
         seed = member_seed(settings, client_id, m, server_round)
         torch.manual_seed(seed)
@@ -154,43 +144,27 @@ def run_client(
             stats = train_local(model, x, y, train_config, seed, terms)
         contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
         extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
-        member: dict[str, NumpyDict] = {}
-        for section in [*sections, *optional]:
-            if section in failed:
-                continue
-            start = time.perf_counter()
-            try:
-                member[section] = build_section(section, model, x, y, settings, member)
-            except Exception as exc:
-                if section in sections:
-                    raise
-                failed[section] = f"{type(exc).__name__}: {exc}"
-                log.warning("client %d: optional section %s left out: %s", client_id, section,
-                            failed[section])
-            section_s[section] += time.perf_counter() - start
-        members.append(member)
+        models.append(model)
         train_s += stats.seconds
         log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
                  stats.samples_per_s, stats.final_loss, extra)
-    for member in members:  # every member carries the same sections
-        for section in failed:
-            member.pop(section, None)
-    return ClientUpload(
-        client_id=client_id,
-        model=spec.name,
-        model_kwargs=spec.kwargs,
-        num_examples=len(y),
-        members=members,
-        metrics={
-            "train-time-s": train_s,
-            "stats-time-s": sum(section_s.values()),
-            **{f"time-s/{section}": t for section, t in section_s.items()},
-            "class-histogram": [int(v) for v in split.histogram[client_id]],
-            **({"contrastive-members": contrastive_members}
-               if objective.contrastive_weight > 0 else {}),
-        },
-    )
+    return make_upload(
+        models, x, y, sections, optional_sections=optional_sections, client_id=client_id,
+        model_name=spec.name, model_kwargs=spec.kwargs, num_classes=bundle.num_classes,
+        metrics={"train-time-s": train_s,
+                 **({"contrastive-members": contrastive_members}
+                    if objective.contrastive_weight > 0 else {})},
+        **section_options(settings))
+
+
+def section_options(settings: Settings) -> dict[str, Any]:
+    """The run config's keyword arguments of :func:`fedfusion.client.make_upload`."""
+    return {"curvature_backend": settings.curvature_backend,
+            "curvature_batch_size": settings.curvature_batch_size,
+            "curvature_rank": settings.curvature_rank, "curvature_half": settings.curvature_half,
+            "temperature": settings.temperature, "prior_var": settings.prior_var,
+            "seed": settings.seed}
 
 
 def _same_shapes(a: Mapping[str, np.ndarray], b: Mapping[str, torch.Tensor]) -> bool:
@@ -232,10 +206,9 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
     previous = []
     while contrastive and previous_key(len(previous)) in state:
         previous.append({k: v.numpy() for k, v in state[previous_key(len(previous))].items()})
-    upload = run_client(settings, client_id, decode_models(content["arrays"]),
-                        list(config.get("sections", [WEIGHTS])),
-                        int(config.get("server-round", 1)),
-                        list(config.get("optional-sections", [])), objective, previous)
+    sections, optional = requested_sections(content)
+    upload = run_client(settings, client_id, broadcast_states(content), sections,
+                        int(config.get("server-round", 1)), optional, objective, previous)
     if contrastive:
         for m in range(upload.num_members):
             state[previous_key(m)] = ArrayRecord(

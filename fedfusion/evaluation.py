@@ -6,11 +6,50 @@ ECE uses 15 equal-width confidence bins: sum_b |B_b|/N * |acc(B_b) - conf(B_b)|.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.datasets import ImageData
+
 ECE_BINS = 15
+
+#: labelled data as users hold it: ``(x, y)`` tensors or arrays, an object with ``.x`` and
+#: ``.y`` (:class:`~fedfusion.datasets.ImageData`), or an iterable of ``(x, y)`` batches
+#: (a ``DataLoader``)
+LabelledData = Any
+
+
+def as_labelled(data: LabelledData, what: str = "data") -> ImageData:
+    """``data`` as one :class:`~fedfusion.datasets.ImageData` (float inputs, int64 labels)."""
+    if isinstance(data, ImageData):
+        return data
+    if hasattr(data, "x") and hasattr(data, "y"):
+        x, y = data.x, data.y
+    elif isinstance(data, tuple | list) and len(data) == 2:
+        x, y = data
+    elif isinstance(data, Iterable) and not isinstance(data, str | bytes | torch.Tensor):
+        batches = list(data)
+        if not batches or not all(isinstance(b, tuple | list) and len(b) == 2 for b in batches):
+            raise TypeError(f"{what}: an iterable of data must yield (x, y) batches, as a "
+                            "DataLoader over a labelled dataset does")
+        x = torch.cat([torch.as_tensor(b[0]) for b in batches])
+        y = torch.cat([torch.as_tensor(b[1]) for b in batches])
+    else:
+        raise TypeError(f"{what} must be (x, y) tensors, an object with .x and .y, or a "
+                        f"DataLoader of (x, y) batches; got {type(data).__name__}")
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if not x.is_floating_point():
+        raise TypeError(f"{what}: inputs must be floating point, got {x.dtype}")
+    if y.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or y.dim() != 1:
+        raise TypeError(f"{what}: labels must be a 1-d integer tensor, got {y.dtype} "
+                        f"{tuple(y.shape)}")
+    if len(x) != len(y):
+        raise ValueError(f"{what}: {len(x)} inputs but {len(y)} labels")
+    return ImageData(x.float().contiguous(), y.long())
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -65,6 +66,15 @@ class ClientUpload:
     num_examples: int
     members: list[dict[str, NumpyDict]]
     metrics: dict[str, float | int | list[int] | list[float]] = field(default_factory=dict)
+    #: the Flower node it came from (set by the server; None for uploads made without Flower)
+    node_id: int | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_models(cls, models: Sequence[Any], x: Any, y: Any, **kwargs: Any) -> ClientUpload:
+        """Shorthand for :func:`fedfusion.client.make_upload` (trained models -> upload)."""
+        from fedfusion.client import make_upload
+
+        return make_upload(models, x, y, **kwargs)
 
     @property
     def num_members(self) -> int:

@@ -12,45 +12,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.models import build_model
-
-
-class ModelSpec:
-    """How to rebuild one member network: registry name, kwargs, input shape, classes."""
-
-    def __init__(
-        self,
-        name: str,
-        input_shape: Sequence[int],
-        num_classes: int,
-        kwargs: Mapping[str, Any] | None = None,
-    ):
-        self.name = name
-        self.input_shape = tuple(int(v) for v in input_shape)
-        self.num_classes = int(num_classes)
-        self.kwargs = dict(kwargs or {})
-
-    def build(self, state: Mapping[str, np.ndarray | torch.Tensor] | None = None) -> nn.Module:
-        model = build_model(self.name, self.input_shape, self.num_classes, **self.kwargs)
-        if state is not None:
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-        return model.eval()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "input_shape": list(self.input_shape),
-            "num_classes": self.num_classes,
-            "kwargs": self.kwargs,
-        }
-
-    @classmethod
-    def from_dict(cls, spec: Mapping[str, Any]) -> ModelSpec:
-        return cls(spec["name"], spec["input_shape"], spec["num_classes"], spec.get("kwargs"))
+from fedfusion.architecture import ModelFn, ModelSpec
 
 
 class Ensemble(nn.Module):
@@ -78,8 +43,9 @@ class Ensemble(nn.Module):
         }
 
     @classmethod
-    def from_payload(cls, payload: Mapping[str, Any]) -> Ensemble:
-        specs = [ModelSpec.from_dict(s) for s in payload["specs"]]
+    def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
+                     ) -> Ensemble:
+        specs = [ModelSpec.from_dict(s, model_fn) for s in payload["specs"]]
         return cls([s.build(st) for s, st in zip(specs, payload["states"], strict=True)], specs)
 
 
@@ -121,8 +87,9 @@ class MaxLogitSelector(Ensemble):
         return {**super().to_payload(), "top_k": self.top_k}
 
     @classmethod
-    def from_payload(cls, payload: Mapping[str, Any]) -> MaxLogitSelector:
-        ensemble = Ensemble.from_payload(payload)
+    def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
+                     ) -> MaxLogitSelector:
+        ensemble = Ensemble.from_payload(payload, model_fn)
         return cls(list(ensemble.members), ensemble.specs, int(payload["top_k"]))
 
 
@@ -137,10 +104,12 @@ def save_predictor(predictor: nn.Module, path: str | Path) -> Path:
     return path
 
 
-def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """Load a saved predictor for inference: ``load_predictor(p)(x)`` gives log-probabilities."""
+def load_predictor(path: str | Path, device: str | torch.device = "cpu",
+                   model_fn: ModelFn | None = None) -> nn.Module:
+    """Load a saved predictor for inference: ``load_predictor(p)(x)`` gives log-probabilities.
+    A predictor of a user's ``model_fn`` (not the zoo) needs that ``model_fn`` back."""
     payload = torch.load(Path(path), map_location=device, weights_only=True)
     kind = payload.get("kind")
     if kind not in PREDICTOR_KINDS:
         raise ValueError(f"{path}: unknown predictor kind {kind!r}")
-    return PREDICTOR_KINDS[kind].from_payload(payload).to(device).eval()
+    return PREDICTOR_KINDS[kind].from_payload(payload, model_fn).to(device).eval()

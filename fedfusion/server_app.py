@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Sequence
@@ -25,13 +26,13 @@ from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedfusion import setup_logging
-from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.app.federation import FederatedSplit, federated_split
+from fedfusion.architecture import ModelSpec
 from fedfusion.client_app import default_model
 from fedfusion.evaluation import evaluate, resolve_device
-from fedfusion.payload import ClientUpload, NumpyDict, encode_models
-from fedfusion.predictors import ModelSpec, save_predictor
-from fedfusion.strategies import FusionContext, build_strategy
+from fedfusion.payload import ClientUpload
+from fedfusion.predictors import save_predictor
 from fedfusion.upload_store import load_uploads, save_uploads
 
 log = logging.getLogger("fedfusion")
@@ -44,15 +45,6 @@ DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "lab
              "client-models")
 
 app = ServerApp()
-
-
-def initial_models(spec: ModelSpec, num_members: int, seed: int) -> list[NumpyDict]:
-    """The M initial models the server broadcasts (FedBEns Algorithm 1, line 1)."""
-    models = []
-    for m in range(num_members):
-        torch.manual_seed(seed * 7919 + m)
-        models.append({k: v.numpy() for k, v in spec.build().state_dict().items()})
-    return models
 
 
 def output_folder(settings: Settings) -> Path:
@@ -119,7 +111,8 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
         raise
     finally:
         results.setdefault("timing", {})["wall_s"] = time.perf_counter() - wall_start
-        (folder / "results.json").write_text(json.dumps(results, indent=1, default=_jsonable))
+        (folder / "results.json").write_text(
+            json.dumps(strict_json(results), indent=1, allow_nan=False))
         print_summary(results)
     return results
 
@@ -139,8 +132,9 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
     use_val = settings.server_validation and len(bundle.val) > 0
-    context = FusionContext(spec, device, val=bundle.val if use_val else None, seed=settings.seed)
-    strategy = build_strategy(settings.strategy, context, settings)
+    strategy = build_strategy(settings, spec, bundle.val if use_val else None, device)
+    context = strategy.context
+    results["excluded"] = strategy.exclusions  # kept in results.json even if the run fails
     if strategy.one_shot_only and settings.num_rounds > 1:
         raise ConfigError(f"strategy {settings.strategy!r} is one-shot: set num-rounds=1")
     results["rounds"] = rounds = []
@@ -170,7 +164,6 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
                                                             settings.to_mapping())
         strategy.start(
             grid,
-            encode_models(initial_models(spec, settings.num_members, settings.seed)),
             num_rounds=settings.num_rounds,
             train_config=ConfigRecord(),
             evaluate_fn=lambda rnd, _arrays: (
@@ -248,11 +241,19 @@ def print_summary(results: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
+def strict_json(value: Any) -> Any:
+    """``value`` as strict JSON data: numpy scalars and arrays as numbers and lists, NaN and
+    Inf as null (a bare NaN is not JSON), anything else unknown as its string."""
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    if isinstance(value, np.ndarray | np.generic):
+        return strict_json(value.tolist())
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, str | int | bool):
+        return value
     return str(value)
 
 

@@ -9,12 +9,12 @@ with :func:`fedfusion.payload.register_section`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.app.config import Settings
 from fedfusion.curvature import (
     DEFAULT_BACKEND,
     STRUCTURES,
@@ -26,9 +26,31 @@ from fedfusion.curvature import (
 from fedfusion.curvature.fit import param_shapes
 from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
-#: (trained member, client inputs, labels, settings, the member's sections built so far) -> arrays
+
+@dataclass(frozen=True)
+class SectionOptions:
+    """How a client computes its upload sections (keyword arguments of
+    :func:`fedfusion.client.make_upload`; the App fills them from its run config).
+
+    ``curvature_backend`` "" = the measured default (:data:`fedfusion.curvature.DEFAULT_BACKEND`);
+    ``curvature_rank`` 0 = every Kron eigenpair, r = the top r per factor;
+    ``curvature_half`` stores Kron eigenvectors in float16; ``seed`` seeds Monte-Carlo
+    curvature backends. ``temperature`` and ``prior_var`` shape the Laplace object fitted on
+    the client; the uploaded arrays hold the likelihood curvature only, so the server chooses
+    its own."""
+
+    curvature_backend: str = ""
+    curvature_batch_size: int = 256
+    curvature_rank: int = 0
+    curvature_half: bool = False
+    temperature: float = 0.1
+    prior_var: float = 0.1
+    seed: int = 0
+
+
+#: (trained member, client inputs, labels, options, the member's sections built so far) -> arrays
 SectionBuilder = Callable[
-    [nn.Module, torch.Tensor, torch.Tensor, Settings, Mapping[str, NumpyDict]], NumpyDict]
+    [nn.Module, torch.Tensor, torch.Tensor, SectionOptions, Mapping[str, NumpyDict]], NumpyDict]
 _BUILDERS: dict[str, SectionBuilder] = {}
 
 
@@ -41,18 +63,18 @@ def register_builder(section: str) -> Callable[[SectionBuilder], SectionBuilder]
 
 
 def build_section(section: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                  settings: Settings, built: Mapping[str, NumpyDict] | None = None
+                  options: SectionOptions, built: Mapping[str, NumpyDict] | None = None
                   ) -> NumpyDict:
     """Section ``section`` of one trained member; ``built`` holds the member's sections
     computed before it (a builder may reuse one: ``diag_full`` reuses ``curvature.diag``)."""
     if section not in _BUILDERS:
         raise ValueError(f"this client cannot compute upload section {section!r}; "
                          f"known: {sorted(_BUILDERS)}")
-    return _BUILDERS[section](model, x, y, settings, built or {})
+    return _BUILDERS[section](model, x, y, options, built or {})
 
 
 @register_builder(WEIGHTS)
-def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings,
+def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: SectionOptions,
                   built: Mapping[str, NumpyDict]) -> NumpyDict:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
@@ -67,22 +89,22 @@ def curvature_section(structure: str) -> str:
 
 
 def _curvature_builder(structure: str) -> SectionBuilder:
-    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: Settings,
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: SectionOptions,
               built: Mapping[str, NumpyDict]) -> NumpyDict:
         diagonal = None
         if structure != "kron" and curvature_section("diag") in built:
             diagonal = DiagCurvature.from_arrays(
-                built[curvature_section("diag")], param_shapes(model), settings.temperature,
-                settings.prior_var)
+                built[curvature_section("diag")], param_shapes(model), options.temperature,
+                options.prior_var)
         curvature = fit_curvature(
             model, x, y, structure,
-            temperature=settings.temperature, prior_var=settings.prior_var,
-            backend=settings.curvature_backend or DEFAULT_BACKEND,
-            batch_size=settings.curvature_batch_size, seed=settings.seed, diagonal=diagonal,
+            temperature=options.temperature, prior_var=options.prior_var,
+            backend=options.curvature_backend or DEFAULT_BACKEND,
+            batch_size=options.curvature_batch_size, seed=options.seed, diagonal=diagonal,
         )
         if isinstance(curvature, KronCurvature):
-            return curvature.to_arrays(rank=settings.curvature_rank or None,
-                                       eigvec_dtype=np.float16 if settings.curvature_half else None)
+            return curvature.to_arrays(rank=options.curvature_rank or None,
+                                       eigvec_dtype=np.float16 if options.curvature_half else None)
         return curvature.to_arrays()
     return build
 
@@ -103,5 +125,5 @@ for _structure in STRUCTURES:
 # RegMean's upload section: per Linear/Conv2d weight, the Gram of the layer's inputs.
 from fedfusion.gram import layer_grams, validate_grams  # noqa: E402
 
-register_builder("gram")(lambda model, x, y, settings, built: layer_grams(model, x))
+register_builder("gram")(lambda model, x, y, options, built: layer_grams(model, x))
 register_section("gram", validate_grams)

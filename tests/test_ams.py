@@ -23,7 +23,7 @@ from fedfusion.predictors import (
     save_predictor,
 )
 from fedfusion.server_app import run_server
-from fedfusion.strategies import AdaptiveModelSelection, FusionContext
+from fedfusion.strategies import AdaptiveModelSelection
 
 #: linear "networks" (no hidden layer, no bias) on 2 input features, 3 classes
 LINEAR = ModelSpec("mlp", (1, 1, 2), 3, {"hidden_layers": 0})
@@ -60,7 +60,7 @@ def test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax():
                                                        (logits_b, logits_a))):
         assert ams_choice[i].max() > confident_choice[i].max()
         assert ams_choice[i].softmax(0).max() < confident_choice[i].softmax(0).max()
-    predictor = AdaptiveModelSelection(FusionContext(LINEAR), 2).fuse_uploads([a, b])
+    predictor = AdaptiveModelSelection(LINEAR, num_clients=2).fuse_uploads([a, b])
     assert isinstance(predictor, MaxLogitSelector) and predictor.top_k == 1
     out = predictor(x)
     assert torch.allclose(out[0], torch.log_softmax(logits_a[0], 0), atol=1e-6)
@@ -76,13 +76,13 @@ def test_ties_go_to_the_lower_index_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="top_k must be >= 0"):
         max_logit_log_probs(logits, -1)
     with pytest.raises(ValueError, match="ams-top-k must be >= 0"):
-        AdaptiveModelSelection(FusionContext(LINEAR), 2, top_k=-2)
+        AdaptiveModelSelection(LINEAR, num_clients=2, top_k=-2)
 
 
 @pytest.mark.parametrize("top_k", [0, 1, 2, 5])
 def test_ams_with_one_client_equals_that_client(top_k):
     upload = random_upload(0, DEPTHS[1], seed=3)
-    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[1]), 1, top_k=top_k).fuse([upload])
+    predictor = AdaptiveModelSelection(DEPTHS[1], num_clients=1, top_k=top_k).fuse([upload])
     x = torch.randn(16, 1, 4, 4)
     expected = torch.log_softmax(DEPTHS[1].build(upload.weights(0))(x), -1)
     assert torch.equal(predictor(x), expected)
@@ -94,7 +94,7 @@ def _cross_architecture_uploads() -> list[ClientUpload]:
 
 def test_ams_full_is_the_log_softmax_of_the_summed_logits():
     uploads = _cross_architecture_uploads()
-    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 3, top_k=0).fuse(uploads)
+    predictor = AdaptiveModelSelection(DEPTHS[0], num_clients=3, top_k=0).fuse(uploads)
     x = torch.randn(32, 1, 4, 4)
     logits = [spec.build(u.weights(0))(x) for spec, u in zip(DEPTHS, uploads, strict=True)]
     assert torch.allclose(predictor(x), torch.log_softmax(sum(logits), -1), atol=1e-6)
@@ -102,7 +102,7 @@ def test_ams_full_is_the_log_softmax_of_the_summed_logits():
 
 def test_top_k_matches_a_per_sample_brute_force():
     uploads = _cross_architecture_uploads() + [random_upload(3, DEPTHS[2], seed=9, members=2)]
-    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 4, top_k=2).fuse(uploads)
+    predictor = AdaptiveModelSelection(DEPTHS[0], num_clients=4, top_k=2).fuse(uploads)
     assert len(predictor.members) == 5  # client 3's two members count as two models
     x = torch.randn(40, 1, 4, 4)
     models = [spec.build(u.weights(0)) for spec, u in zip(DEPTHS, uploads, strict=False)]
@@ -118,7 +118,7 @@ def test_top_k_matches_a_per_sample_brute_force():
 
 def test_save_and_load_round_trip(tmp_path):
     uploads = _cross_architecture_uploads()
-    predictor = AdaptiveModelSelection(FusionContext(DEPTHS[0]), 3, top_k=2).fuse(uploads)
+    predictor = AdaptiveModelSelection(DEPTHS[0], num_clients=3, top_k=2).fuse(uploads)
     loaded = load_predictor(save_predictor(predictor, tmp_path / "ams.pt"))
     assert isinstance(loaded, MaxLogitSelector) and loaded.top_k == 2
     assert [s.kwargs for s in loaded.specs] == [s.kwargs for s in DEPTHS]

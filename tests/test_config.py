@@ -4,12 +4,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tomllib
+from conftest import initial_models
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import member_seed
 from fedfusion.predictors import ModelSpec
-from fedfusion.server_app import initial_models
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -11,7 +11,7 @@ from fedfusion.curvature import fit_curvature
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
-from fedfusion.strategies import FedBEns, FusionContext
+from fedfusion.strategies import FedBEns
 from fedfusion.strategies.server_optim import clip_per_run
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
@@ -42,7 +42,7 @@ def test_one_client_one_member_optimum_is_the_map(structure):
     """C=1, M=1: the objective is log N(w | w_1, Lambda^-1) (no prior correction), maximal at
     the client's MAP: zero gradient there, and the optimiser returns to it from afar."""
     upload = tiny_upload(0, structure, seed=1)
-    strategy = FedBEns(FusionContext(TINY), 1, hessian_structure=structure, temperature=1.0,
+    strategy = FedBEns(TINY, num_clients=1, hessian_structure=structure, temperature=1.0,
                        prior_var=1.0, steps=800, lr=0.01, eval_every=50, dtype=torch.float64)
     stacked, owner = strategy.build_posterior([upload])
     map_weights = upload.weights(0)
@@ -69,7 +69,7 @@ def test_one_client_one_member_optimum_is_the_map(structure):
 
 def test_batched_runs_equal_separate_runs():
     uploads = [tiny_upload(c, "kron", seed=c, members=2) for c in range(2)]
-    strategy = FedBEns(FusionContext(TINY), 2, steps=40, lr=0.01, eval_every=10,
+    strategy = FedBEns(TINY, num_clients=2, steps=40, lr=0.01, eval_every=10,
                        dtype=torch.float64)
     stacked, owner = strategy.build_posterior(uploads)
     starts = strategy.starting_points(uploads)
@@ -86,7 +86,7 @@ def test_pruned_and_full_mixture_give_the_same_modes():
     uploads = [tiny_upload(c, "kron", seed=c, members=3) for c in range(2)]
     modes = {}
     for margin in (50.0, 0.0):
-        strategy = FedBEns(FusionContext(TINY), 2, steps=40, lr=0.01, eval_every=10,
+        strategy = FedBEns(TINY, num_clients=2, steps=40, lr=0.01, eval_every=10,
                            prune_margin=margin, refresh_every=5, dtype=torch.float64)
         stacked, owner = strategy.build_posterior(uploads)
         modes[margin] = strategy.optimise(strategy.starting_points(uploads), stacked, owner, 2)
@@ -121,15 +121,15 @@ def test_per_run_clip_matches_clip_grad_norm():
 
 def test_without_validation_the_run_length_is_server_steps_noval():
     """Paper Appendix C.4: no validation set -> the last iterate of a 100-step run."""
-    from fedfusion.app.config import Settings
+    from fedfusion.app.config import Settings, build_strategy
     from fedfusion.datasets.loading import ImageData
 
     settings = Settings(strategy="fedbens", hessian_structure="diag", server_steps=9,
                         server_steps_noval=4, server_eval_every=3)
     val = ImageData(torch.randn(8, 1, 4, 4), torch.arange(8) % 3)
-    assert FedBEns.from_settings(FusionContext(TINY, val=val), settings).optimiser.steps == 9
+    assert build_strategy(settings, TINY, val).optimiser.steps == 9
     assert Settings().server_steps_noval == 100
-    strategy = FedBEns.from_settings(FusionContext(TINY), settings)
+    strategy = build_strategy(settings, TINY)
     strategy.fuse_uploads([tiny_upload(0, "diag", seed=0), tiny_upload(1, "diag", seed=1)])
     assert [t["step"] for t in strategy.optimiser.trace] == [0, 3, 4]
     assert strategy.report()["selection"] == "objective"

@@ -12,11 +12,12 @@ import torch
 from conftest import InProcessGrid
 from test_fedbens import TINY, tiny_upload
 
-from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.payload import ClientUpload
 from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES, FusionContext
+from fedfusion.strategies import STRATEGIES
+from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
@@ -66,7 +67,7 @@ def dense_minimiser(precisions, means) -> torch.Tensor:
 def test_objective_equals_the_dense_quadratic_form(structure):
     """f(w) = sum_i (w - w_i)^T (H_i + damping I) (w - w_i) / (2 n) at random points."""
     uploads = tiny_clients(structure)
-    strategy = FedFisher(CONTEXT, 3, hessian_structure=structure, dtype=torch.float64)
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure=structure, dtype=torch.float64)
     problem = strategy.build_problem(uploads)
     precisions, means, total = dense_problem(uploads, structure, strategy.damping)
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +83,7 @@ def test_diag_optimum_is_the_closed_form_and_fisher_merge():
     """Diag: the optimiser reaches w* = sum_i (H_i + d) w_i / sum_i (H_i + d) elementwise
     (the default damping d = 1e-6), which is Fisher merging up to d."""
     uploads = tiny_clients("diag")
-    strategy = FedFisher(CONTEXT, 3, hessian_structure="diag", steps=500, lr=0.01,
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure="diag", steps=500, lr=0.01,
                          eval_every=50, dtype=torch.float64)
     problem = strategy.build_problem(uploads)
     start = strategy.starting_points(uploads)
@@ -96,7 +97,7 @@ def test_diag_optimum_is_the_closed_form_and_fisher_merge():
         assert np.abs(closed - start[0][name]).max() > 0.05  # the optimiser had to move
         np.testing.assert_allclose(mode[name].numpy(), closed, atol=1e-6)
     merged, fallbacks = fisher_merge([u.weights(0) for u in uploads],
-                                     [FisherMerge(CONTEXT, 3).fisher(u, 0) for u in uploads],
+                                     [FisherMerge(TINY, num_clients=3).fisher(u, 0) for u in uploads],
                                      [u.num_examples for u in uploads])
     assert fallbacks == 0
     for name in NAMES:
@@ -114,7 +115,7 @@ def test_kron_optimum_is_the_dense_minimiser(optimizer, steps):
     w_star = dense_minimiser(precisions, means)
     lam_max = float(torch.linalg.eigvalsh(sum(precisions) / total).max())
     lr = 0.01 if optimizer == "adam" else 1.0 / lam_max
-    strategy = FedFisher(CONTEXT, 3, hessian_structure="kron", steps=steps, lr=lr,
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure="kron", steps=steps, lr=lr,
                          eval_every=50, optimizer=optimizer, damping=1.0, dtype=torch.float64)
     start = strategy.starting_points(uploads)
     (mode,) = strategy.optimise(start, strategy.build_problem(uploads))
@@ -131,7 +132,7 @@ def test_identical_clients_give_that_client(structure):
     base = tiny_upload(0, structure, seed=4)
     uploads = [ClientUpload(c, base.model, base.model_kwargs, n, base.members)
                for c, n in enumerate((120, 40, 300))]
-    strategy = FedFisher(CONTEXT, 3, hessian_structure=structure, steps=100, eval_every=20)
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure=structure, steps=100, eval_every=20)
     predictor = strategy.fuse_uploads(uploads)
     assert not strategy.exclusions
     (member,) = predictor.members
@@ -144,11 +145,11 @@ def test_each_member_index_is_its_own_fedfisher():
     client 0's member 1, whose single quadratic is minimal at that member's weights."""
     two = tiny_upload(0, "diag", seed=0, members=2)
     one = tiny_upload(1, "diag", seed=1, members=1)
-    strategy = FedFisher(CONTEXT, 2, hessian_structure="diag", steps=500, eval_every=50,
-                         dtype=torch.float64)
+    strategy = FedFisher(TINY, num_clients=2, hessian_structure="diag", steps=500, eval_every=50,
+                         dtype=torch.float64, members="each")
     predictor = strategy.fuse_uploads([two, one])
     assert len(predictor.members) == 2
-    single = FedFisher(CONTEXT, 2, hessian_structure="diag", steps=500, eval_every=50,
+    single = FedFisher(TINY, num_clients=2, hessian_structure="diag", steps=500, eval_every=50,
                        dtype=torch.float64)
     alone = single.fuse_uploads([ClientUpload(0, two.model, two.model_kwargs, two.num_examples,
                                               two.members[:1]), one])
@@ -160,17 +161,17 @@ def test_each_member_index_is_its_own_fedfisher():
 
 
 def test_settings_and_refusals():
-    settings = Settings(hessian_structure="diag", fedfisher_steps=7, fedfisher_lr=0.5,
+    settings = Settings(strategy="fedfisher", hessian_structure="diag", fedfisher_steps=7, fedfisher_lr=0.5,
                         fedfisher_eval_every=3, num_clients=4)
-    strategy = FedFisher.from_settings(CONTEXT, settings)
+    strategy = build_strategy(settings, TINY)
     assert strategy.required_sections == ("weights", "curvature.diag")
     assert (strategy.optimiser.steps, strategy.optimiser.lr, strategy.optimiser.eval_every,
             strategy.optimiser.clip, strategy.optimiser.optimizer) == (7, 0.5, 3, None, "adam")
-    assert FedFisher(CONTEXT, 1).required_sections == ("weights", "curvature.kron")
-    with pytest.raises(ConfigError, match="diag_full"):
-        FedFisher(CONTEXT, 1, hessian_structure="diag_full")
-    with pytest.raises(ConfigError, match="optimizer"):
-        FedFisher(CONTEXT, 1, optimizer="lbfgs")
+    assert FedFisher(TINY, num_clients=1).required_sections == ("weights", "curvature.kron")
+    with pytest.raises(ValueError, match="diag_full"):
+        FedFisher(TINY, num_clients=1, hessian_structure="diag_full")
+    with pytest.raises(ValueError, match="optimizer"):
+        FedFisher(TINY, num_clients=1, optimizer="lbfgs")
 
 
 # ------------------------------------------------------------------------ Fisher merging
@@ -184,7 +185,7 @@ def synthetic_upload(client_id: int, n: int, fisher: dict[str, np.ndarray], seed
 
 
 def merged_state(uploads: Sequence[ClientUpload], **kwargs: float) -> dict[str, np.ndarray]:
-    strategy = FisherMerge(CONTEXT, len(uploads), **kwargs)
+    strategy = FisherMerge(TINY, num_clients=len(uploads), **kwargs)
     predictor = strategy.fuse_uploads(uploads)
     assert not strategy.exclusions
     (member,) = predictor.members
@@ -235,7 +236,7 @@ def test_fisher_merge_falls_back_to_fedavg_where_no_client_has_fisher():
         f[first][0, 1] = 1e-5  # sum / n = 2e-5 / 400 = 5e-8 < floor 1e-6
     uploads = [synthetic_upload(c, n, f, seed=c)
                for c, (n, f) in enumerate(zip(sizes, fishers, strict=True))]
-    strategy = FisherMerge(CONTEXT, 2)
+    strategy = FisherMerge(TINY, num_clients=2)
     (member,) = strategy.fuse_uploads(uploads).members
     state = {k: v.numpy() for k, v in member.state_dict().items()}
     fedavg = weighted_average([u.weights(0) for u in uploads], sizes)
@@ -254,7 +255,7 @@ def test_fisher_merge_falls_back_to_fedavg_where_no_client_has_fisher():
 def test_fisher_merge_merges_each_member_index_over_its_holders():
     two = tiny_upload(0, "diag", seed=0, members=2)
     one = tiny_upload(1, "diag", seed=1, members=1)
-    strategy = FisherMerge(CONTEXT, 2)
+    strategy = FisherMerge(TINY, num_clients=2, members="each")
     predictor = strategy.fuse_uploads([two, one])
     assert strategy.required_sections == ("weights", "curvature.diag")
     merged, _ = fisher_merge([two.weights(0), one.weights(0)],

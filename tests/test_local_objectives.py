@@ -5,17 +5,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import InProcessGrid
+from conftest import InProcessGrid, initial_models
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedfusion.app.config import Settings
+from fedfusion.app.config import Settings, build_strategy
 from fedfusion.client_app import LocalObjective, handle_train, previous_key, run_client
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
 from fedfusion.models import build_model
 from fedfusion.payload import decode_upload, encode_models
 from fedfusion.predictors import ModelSpec, load_predictor
-from fedfusion.server_app import initial_models, run_server
-from fedfusion.strategies import FusionContext, build_strategy
+from fedfusion.server_app import run_server
+from fedfusion.strategies.base import FusionContext
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
 
 
@@ -79,8 +79,7 @@ def test_fedprox_mu_zero_is_fedavg_exactly_and_mu_reaches_the_clients(small_sett
 
 def test_fedprox_sends_mu_in_the_train_config():
     settings = Settings(strategy="fedprox", prox_mu=0.3, contrastive_weight=2.0)
-    strategy = build_strategy("fedprox", FusionContext(ModelSpec("lenet", (1, 28, 28), 10)),
-                              settings)
+    strategy = build_strategy(settings, ModelSpec("lenet", (1, 28, 28), 10))
     assert strategy.client_config == {"prox-mu": 0.3, "contrastive-weight": 2.0,
                                       "contrastive-temperature": 0.5}
     assert LocalObjective.from_config(strategy.client_config) == LocalObjective(0.3, 2.0, 0.5)
@@ -171,7 +170,7 @@ def test_swa_with_contrastive_clients_over_rounds(small_settings):
     settings = small_settings.replace(strategy="swa", num_rounds=2, local_epochs=1,
                                       contrastive_weight=1.0, run_name="moon")
     spec = ModelSpec("lenet", (1, 28, 28), 10)
-    strategy = build_strategy("swa", FusionContext(spec), settings)
+    strategy = build_strategy(settings, spec)
     rounds = []
     strategy.start(InProcessGrid(settings), encode_models(initial_models(spec, 1, 0)),
                    num_rounds=2, train_config=ConfigRecord(),

@@ -16,7 +16,8 @@ from fedfusion.datasets import ImageData
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES, FusionContext
+from fedfusion.strategies import STRATEGIES
+from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.otfusion import (
     OTFusion,
     activation_cost,
@@ -133,9 +134,9 @@ def test_a_permuted_copy_fuses_back_exactly(name, mode):
     copy = permuted(original, CHAINS[name], np.random.default_rng(2))
     x = val_set(spec).x[:16]
     torch.testing.assert_close(outputs(spec, copy, x), outputs(spec, original, x))
-    context = FusionContext(spec, val=val_set(spec) if mode == "activations" else None)
+    context = dict(model_fn=spec, val=val_set(spec) if mode == "activations" else None)
     # reference = client 0 (tie on examples): the copy is re-indexed back onto the original
-    strategy = OTFusion(context, 2, mode=mode)
+    strategy = OTFusion(**context, num_clients=2, mode=mode)
     fused = strategy.fuse([upload(spec, 0, original), upload(spec, 1, copy)])
     for key, value in fused.members[0].state_dict().items():
         assert np.array_equal(value.numpy(), original[key]), key
@@ -143,7 +144,7 @@ def test_a_permuted_copy_fuses_back_exactly(name, mode):
     assert report["mode"] == mode and report["members"][0]["reference_client"] == 0
     assert all(m > 0 for m in report["members"][0]["moved_neurons"]["1"])
     # reference = the copy (more examples): the fused model is the copy, same outputs
-    fused = OTFusion(context, 2, mode=mode).fuse([upload(spec, 0, original, n=50),
+    fused = OTFusion(**context, num_clients=2, mode=mode).fuse([upload(spec, 0, original, n=50),
                                                   upload(spec, 1, copy, n=80)])
     for key, value in fused.members[0].state_dict().items():
         assert np.array_equal(value.numpy(), copy[key]), key
@@ -189,7 +190,7 @@ def test_biases_take_part_in_the_weight_cost():
     original = random_state(spec, seed=1)
     original["net.1.weight"][1::2] = original["net.1.weight"][::2]
     copy = permuted(original, CHAINS["mlp"], np.random.default_rng(4))
-    fused = OTFusion(FusionContext(spec), 2).fuse([upload(spec, 0, original),
+    fused = OTFusion(spec, num_clients=2).fuse([upload(spec, 0, original),
                                                    upload(spec, 1, copy)])
     for key, value in fused.members[0].state_dict().items():
         assert np.array_equal(value.numpy(), original[key]), key
@@ -201,7 +202,7 @@ def test_fusion_is_the_weighted_average_of_the_aligned_clients():
     states = [random_state(spec, seed=s) for s in (5, 6, 7)]
     uploads = [upload(spec, c, s, n) for c, (s, n) in enumerate(zip(states, (100, 300, 200),
                                                                      strict=True))]
-    fused = OTFusion(FusionContext(spec), 3).fuse(uploads).members[0].state_dict()
+    fused = OTFusion(spec, num_clients=3).fuse(uploads).members[0].state_dict()
     reference = states[1]  # the largest client
     aligned = [align(s, chain, weight_cost(reference, chain))[0] for s in states]
     assert all(np.array_equal(aligned[1][k], reference[k]) for k in reference)
@@ -214,7 +215,7 @@ def test_fusion_is_the_weighted_average_of_the_aligned_clients():
 def test_identical_clients_fuse_to_that_client():
     spec = SPECS["lenet"]
     state = random_state(spec, seed=8)
-    fused = OTFusion(FusionContext(spec), 3).fuse([upload(spec, c, state, 10 * (c + 1))
+    fused = OTFusion(spec, num_clients=3).fuse([upload(spec, c, state, 10 * (c + 1))
                                                    for c in range(3)])
     for key, value in fused.members[0].state_dict().items():
         assert np.array_equal(value.numpy(), state[key]), key
@@ -222,11 +223,11 @@ def test_identical_clients_fuse_to_that_client():
 
 def test_activation_mode_without_validation_falls_back_to_weights():
     spec = SPECS["mlp"]
-    strategy = OTFusion(FusionContext(spec), 2, mode="activations")
+    strategy = OTFusion(spec, num_clients=2, mode="activations")
     strategy.fuse([upload(spec, 0, random_state(spec, 1)), upload(spec, 1, random_state(spec, 2))])
     assert strategy.report()["mode"] == "weights"
     with pytest.raises(ValueError, match="otfusion-mode"):
-        OTFusion(FusionContext(spec), 2, mode="neurons")
+        OTFusion(spec, num_clients=2, mode="neurons")
 
 
 def test_real_fmnist_federation(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from fedfusion.payload import (
     member_key,
 )
 from fedfusion.predictors import ModelSpec
-from fedfusion.strategies import FusionContext
+from fedfusion.strategies.base import FusionContext
 from fedfusion.upload_store import load_uploads, save_uploads
 
 SPEC = ModelSpec("lenet", (1, 28, 28), 10)

@@ -17,7 +17,7 @@ from fedfusion.models import build_model
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
-from fedfusion.strategies import PFNM, FusionContext
+from fedfusion.strategies import PFNM
 from fedfusion.strategies.pfnm import match_layer
 
 VAGUE = 1e12  # sigma0^2 so large that the prior does not shrink the global neurons
@@ -64,7 +64,7 @@ def test_a_model_matched_with_its_permuted_copy_is_the_model(depth, bias):
     model = spec(depth, bias)
     state = random_state(model, seed=depth)
     copy = permuted(state, depth, np.random.default_rng(depth))
-    strategy = PFNM(FusionContext(model), 2, sigma0=VAGUE)
+    strategy = PFNM(model, num_clients=2, sigma0=VAGUE)
     fused = strategy.fuse_uploads([upload(model, 0, state), upload(model, 1, copy)])
     assert strategy.report()["members"][0]["global_hidden_sizes"] == [12] * depth
     x = torch.randn(200, 1, 6, 6)
@@ -81,11 +81,11 @@ def test_the_global_neurons_are_the_posterior_means():
     model = spec(2, False)
     state = random_state(model, seed=5)
     x = torch.randn(30, 1, 6, 6)
-    fused = PFNM(FusionContext(model), 2).fuse([upload(model, 0, state),
+    fused = PFNM(model, num_clients=2).fuse([upload(model, 0, state),
                                                  upload(model, 1, state)])
     assert torch.allclose(fused.members[0](x).detach(), (2 / 3) ** 3 * logits(model, state, x),
                           rtol=1e-5, atol=1e-6)
-    weighted = PFNM(FusionContext(model), 2).fuse([upload(model, 0, state, [20] * 5),
+    weighted = PFNM(model, num_clients=2).fuse([upload(model, 0, state, [20] * 5),
                                                     upload(model, 1, state, [10] * 5)])
     assert torch.allclose(weighted.members[0](x).detach(),
                           (2 / 3) ** 2 / 2 * logits(model, state, x), rtol=1e-5, atol=1e-6)
@@ -141,7 +141,7 @@ def test_clients_with_disjoint_neurons_give_a_wider_global_model():
     states = [random_state(model, seed, scale=20.0) for seed in (0, 1)]
     states[0]["net.1.weight"][:, 18:] = 0
     states[1]["net.1.weight"][:, :18] = 0
-    strategy = PFNM(FusionContext(model), 2, sigma0=VAGUE)
+    strategy = PFNM(model, num_clients=2, sigma0=VAGUE)
     fused = strategy.fuse([upload(model, i, s) for i, s in enumerate(states)])
     assert strategy.report()["members"][0]["global_hidden_sizes"] == [16]
     first = fused.members[0].state_dict()["net.1.weight"].numpy()
@@ -155,13 +155,13 @@ def test_clients_with_disjoint_neurons_give_a_wider_global_model():
 
 def test_architecture_checks():
     with pytest.raises(ValueError, match="pfnm matches MLPs only.*set model=mlp"):
-        PFNM(FusionContext(ModelSpec("lenet", (1, 28, 28), 10)), 2)
+        PFNM(ModelSpec("lenet", (1, 28, 28), 10), num_clients=2)
     with pytest.raises(ValueError, match="at least one hidden layer"):
-        PFNM(FusionContext(spec(0, False)), 2)
+        PFNM(spec(0, False), num_clients=2)
     model = spec(2, False)
     narrow = spec(2, False, hidden=7)  # widths may differ
     deep = spec(3, False)
-    strategy = PFNM(FusionContext(model), 3)
+    strategy = PFNM(model, num_clients=3)
     fused = strategy.fuse_uploads([upload(model, 0, random_state(model, 0)),
                                    upload(narrow, 1, random_state(narrow, 1)),
                                    upload(deep, 2, random_state(deep, 2))])

@@ -16,7 +16,8 @@ from fedfusion.gram import gram_layers, layer_grams, layer_inputs, validate_gram
 from fedfusion.payload import ClientUpload, UploadError, validate_upload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES, FusionContext
+from fedfusion.strategies import STRATEGIES
+from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.regmean import RegMean, parse_alphas
 from fedfusion.uploads import build_section
 
@@ -131,7 +132,7 @@ def test_parse_alphas():
 def test_alpha_one_is_least_squares_on_the_pooled_inputs(spec):
     """W* = argmin_W sum_i ||X_i W^T - X_i W_i^T||^2 (with a bias: over [X_i, 1])."""
     clients = [client(spec, c, n, seed=c) for c, n in enumerate((40, 25, 60))]
-    fused = RegMean(FusionContext(spec), 3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
+    fused = RegMean(spec, num_clients=3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
     state = fused.members[0].state_dict()
     inputs, targets = [], []
     for _, model, x in clients:
@@ -155,7 +156,7 @@ def test_alpha_shrinks_the_off_diagonal():
     clients = [client(LINEAR, c, 30, seed=c) for c in range(3)]
     uploads = [u for u, _, _ in clients]
     alpha = 0.3
-    fused = RegMean(FusionContext(LINEAR), 3, alphas=(alpha,)).fuse(uploads)
+    fused = RegMean(LINEAR, num_clients=3, alphas=(alpha,)).fuse(uploads)
     shrunk = [alpha * g + (1 - alpha) * np.diag(np.diag(g)) for g in
               (u.members[0]["gram"]["net.1.weight"].astype(np.float64) for u in uploads)]
     rhs = sum(g @ u.weights()["net.1.weight"].T.astype(np.float64)
@@ -169,7 +170,7 @@ def test_conv_layers_are_least_squares_on_unfolded_patches():
     """LeNet's two conv layers, alpha = 1: each is the least-squares fit of the clients'
     conv outputs on the pooled patches of the clients' own layer inputs."""
     clients = [client(LENET, c, n, seed=c) for c, n in enumerate((12, 20, 8))]
-    fused = RegMean(FusionContext(LENET), 3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
+    fused = RegMean(LENET, num_clients=3, alphas=(1.0,)).fuse([u for u, _, _ in clients])
     state = fused.members[0].state_dict()
     for index, name in ((0, "features.0.weight"), (3, "features.3.weight")):
         inputs, targets = [], []
@@ -189,7 +190,7 @@ def test_conv_layers_are_least_squares_on_unfolded_patches():
 def test_identical_clients_fuse_to_that_client():
     upload, model, _ = client(LENET, 0, 30, seed=4)
     twin = ClientUpload(1, upload.model, upload.model_kwargs, 50, upload.members)
-    strategy = RegMean(FusionContext(LENET), 2, alphas=(0.1, 1.0))
+    strategy = RegMean(LENET, num_clients=2, alphas=(0.1, 1.0))
     fused = strategy.fuse([upload, twin]).members[0].state_dict()
     for name, value in model.state_dict().items():
         np.testing.assert_allclose(fused[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6,
@@ -206,13 +207,13 @@ def test_alpha_is_chosen_on_validation():
     x = torch.randn(64, 1, 28, 28)
     y = clients[1][1](x).argmax(1).detach()  # labels of client 1's model: some alpha fits them best
     alphas = (0.0, 0.5, 1.0)
-    strategy = RegMean(FusionContext(LENET, val=ImageData(x, y)), 2, alphas=alphas)
+    strategy = RegMean(LENET, val=ImageData(x, y), num_clients=2, alphas=alphas)
     chosen = strategy.fuse(uploads)
     report = strategy.report()
     accuracies = [entry["val_accuracy"] for entry in report["alphas"]]
     assert [entry["alpha"] for entry in report["alphas"]] == list(alphas)
     assert report["chosen_alpha"] == alphas[int(np.argmax(accuracies))]
-    alone = RegMean(FusionContext(LENET), 2, alphas=(report["chosen_alpha"],)).fuse(uploads)
+    alone = RegMean(LENET, num_clients=2, alphas=(report["chosen_alpha"],)).fuse(uploads)
     for name, value in alone.members[0].state_dict().items():
         assert torch.equal(chosen.members[0].state_dict()[name], value)
 

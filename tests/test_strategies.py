@@ -9,14 +9,14 @@ from test_payload import SPEC, make_upload
 
 from fedfusion.payload import UploadError, member_key
 from fedfusion.server_app import run_server
-from fedfusion.strategies import FedAvg, FusionContext, UniformEnsemble
+from fedfusion.strategies import FedAvg, UniformEnsemble
 
 
 def test_fedavg_is_the_sample_weighted_mean():
     uploads = [make_upload(i, members=1, seed=i) for i in range(3)]
     for u, n in zip(uploads, (100, 300, 600), strict=True):
         u.num_examples = n
-    predictor = FedAvg(FusionContext(SPEC), num_clients=3).fuse(uploads)
+    predictor = FedAvg(SPEC, num_clients=3).fuse(uploads)
     fused = predictor.members[0].state_dict()
     for name in fused:
         expected = sum(n * u.weights(0)[name] for u, n in zip(uploads, (100, 300, 600),
@@ -26,14 +26,14 @@ def test_fedavg_is_the_sample_weighted_mean():
 
 def test_fedavg_of_identical_clients_is_that_client():
     upload = make_upload(members=1)
-    predictor = FedAvg(FusionContext(SPEC), 2).fuse([upload, make_upload(1, members=1)][:1] * 2)
+    predictor = FedAvg(SPEC, num_clients=2).fuse([upload, make_upload(1, members=1)][:1] * 2)
     for name, value in predictor.members[0].state_dict().items():
         assert torch.equal(value, torch.from_numpy(upload.weights(0)[name]))
 
 
 def test_ensemble_holds_every_member_of_every_client():
     uploads = [make_upload(0, members=2), make_upload(1, members=3, seed=1)]
-    predictor = UniformEnsemble(FusionContext(SPEC), 2).fuse(uploads)
+    predictor = UniformEnsemble(SPEC, num_clients=2).fuse(uploads)
     assert len(predictor.members) == 5
     x = torch.randn(4, 1, 28, 28)
     models = [SPEC.build(m["weights"]) for u in uploads for m in u.members]
@@ -120,10 +120,11 @@ def test_no_valid_upload_fails_clearly_and_keeps_results(small_settings, tmp_pat
 def test_mismatched_architecture_is_excluded_from_fedavg():
     upload = make_upload(0, members=1)
     upload.model_kwargs = {"oops": 1}
-    strategy = FedAvg(FusionContext(SPEC), 2)
+    strategy = FedAvg(SPEC, num_clients=2)
     with pytest.raises(RuntimeError, match="0 valid"):
         strategy.fuse_uploads([upload])
-    assert "cannot be built" in strategy.exclusions[0]["reason"]
+    # refused by comparing with the server's architecture, before anything is built from it
+    assert "differs from the server's lenet{}" in strategy.exclusions[0]["reason"]
     assert isinstance(UploadError(1, "x"), ValueError)
 
 

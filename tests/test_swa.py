@@ -5,22 +5,20 @@ import numpy as np
 import pytest
 import torch
 import torchvision.datasets
-from conftest import InProcessGrid
+from conftest import InProcessGrid, initial_models
 from flwr.app import ConfigRecord, MetricRecord
 from scipy import stats
 from test_datasets import FakeCIFAR
 from test_payload import SPEC, make_upload
 
-from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.datasets import load_dataset
 from fedfusion.payload import ClientUpload, encode_models
 from fedfusion.predictors import ModelSpec
-from fedfusion.server_app import initial_models, run_server
+from fedfusion.server_app import run_server
 from fedfusion.strategies import (
     FedAvg,
-    FusionContext,
     StatisticalWeightAggregation,
-    build_strategy,
 )
 from fedfusion.strategies.swa import SWA_DISTANCES, gaussianity_scores, layer_weights
 
@@ -41,7 +39,7 @@ SKEWED = np.array([0, 0, 0, 0, 0, 0, 0, 8, 1, 0, 0, 0, 2, 0, 0, 0], dtype=np.flo
 
 
 def test_hand_built_two_clients_hos():
-    strategy = StatisticalWeightAggregation(FusionContext(TINY), 2, distance="hos")
+    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos")
     # k3 = 0 for a symmetric layer: Gd = 0, so the skewed client takes the whole layer
     fused = _fuse(strategy, [_tiny_upload(0, SYMMETRIC), _tiny_upload(1, SKEWED)])
     np.testing.assert_allclose(fused.ravel(), SKEWED, atol=1e-6)
@@ -61,7 +59,7 @@ def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores():
     for x in (a, b):
         z = (x - x.mean()) / x.std(ddof=1)
         brute.append(abs(stats.kstat(z, 3) * stats.kstat(z, 4)))
-    strategy = StatisticalWeightAggregation(FusionContext(TINY), 2, "hos", size_weighting=True)
+    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos", size_weighting=True)
     fused = _fuse(strategy, [_tiny_upload(0, a, examples=100), _tiny_upload(1, b, examples=300)])
     weights = np.array([brute[0] * 100, brute[1] * 300]) / (brute[0] * 100 + brute[1] * 300)
     np.testing.assert_allclose(strategy.report()["gd"]["net.1.weight"], brute, rtol=1e-9)
@@ -76,7 +74,7 @@ def test_layer_weights_sum_to_one_and_favour_the_non_gaussian_client(distance):
     skewed = make_upload(1, members=1, seed=1)
     for value in skewed.weights(0).values():
         value[...] = rng.exponential(size=value.shape)
-    strategy = StatisticalWeightAggregation(FusionContext(SPEC), 2, distance)
+    strategy = StatisticalWeightAggregation(SPEC, num_clients=2, distance=distance)
     strategy.fuse([gaussian, skewed])
     weights = strategy.report()["weights"]
     assert set(weights) == set(gaussian.weights(0))
@@ -98,13 +96,13 @@ def test_same_layer_distributions_equal_fedavg():
         members = [{"weights": {k: rng.permutation(v.ravel()).reshape(v.shape)
                                 for k, v in m["weights"].items()}} for m in base.members]
         uploads.append(ClientUpload(client, "lenet", {}, examples, members))
-    fedavg = FedAvg(FusionContext(SPEC), 3).fuse(uploads)
+    fedavg = FedAvg(SPEC, num_clients=3).fuse(uploads)
     distinct = [make_upload(i, members=2, seed=10 + i) for i in range(3)]
     for u, n in zip(distinct, (100, 250, 650), strict=True):
         u.num_examples = n
     for distance, case in [("hos", uploads), ("renyi1", uploads), ("uniform", distinct)]:
-        swa = StatisticalWeightAggregation(FusionContext(SPEC), 3, distance, size_weighting=True)
-        expected = fedavg if case is uploads else FedAvg(FusionContext(SPEC), 3).fuse(case)
+        swa = StatisticalWeightAggregation(SPEC, num_clients=3, distance=distance, size_weighting=True)
+        expected = fedavg if case is uploads else FedAvg(SPEC, num_clients=3).fuse(case)
         for fused, reference in zip(swa.fuse(case).members, expected.members, strict=True):
             for name, value in fused.state_dict().items():
                 torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5,
@@ -113,7 +111,7 @@ def test_same_layer_distributions_equal_fedavg():
 
 def test_identical_clients_fuse_to_that_client():
     upload = make_upload(0, members=1, seed=4)
-    swa = StatisticalWeightAggregation(FusionContext(SPEC), 2, "renyi0.5")
+    swa = StatisticalWeightAggregation(SPEC, num_clients=2, distance="renyi0.5")
     for name, value in swa.fuse([upload, upload]).members[0].state_dict().items():
         np.testing.assert_allclose(value.numpy(), upload.weights(0)[name], rtol=1e-6)
 
@@ -127,7 +125,7 @@ def test_scores_are_deterministic_and_degenerate_layers_average_plainly():
     weights = layer_weights({"bias": np.zeros(3)}, sizes=[1, 1, 2])
     np.testing.assert_allclose(weights["bias"], [0.25, 0.25, 0.5])
     with pytest.raises(ValueError, match="unknown swa-distance 'kl'"):
-        StatisticalWeightAggregation(FusionContext(SPEC), 2, "kl")
+        StatisticalWeightAggregation(SPEC, num_clients=2, distance="kl")
 
 
 def test_multi_round_swa_improves_on_real_fmnist(small_settings):
@@ -168,7 +166,7 @@ def test_cifar10_cnn_path_on_generated_data(tmp_path, monkeypatch):
                             partitioner="iid", num_clients=2, local_epochs=1, batch_size=8,
                             strategy="swa", output_dir=str(tmp_path), seed=3)
         spec = ModelSpec("cnn", (3, 32, 32), 10)
-        strategy = build_strategy("swa", FusionContext(spec, seed=3), settings)
+        strategy = build_strategy(settings, spec)
         strategy.start(InProcessGrid(settings), encode_models(initial_models(spec, 1, 3)),
                        num_rounds=2, train_config=ConfigRecord(),
                        evaluate_fn=lambda rnd, arrays: MetricRecord({}))
@@ -203,7 +201,7 @@ def test_swa_run_config_is_validated(values, message):
 
 def test_build_strategy_reads_the_swa_keys():
     settings = Settings(strategy="swa", swa_distance="renyi0.5", swa_size_weighting=True)
-    strategy = build_strategy("swa", FusionContext(SPEC), settings)
+    strategy = build_strategy(settings, SPEC)
     assert isinstance(strategy, StatisticalWeightAggregation)
     assert (strategy.distance, strategy.size_weighting) == ("renyi0.5", True)
     assert not strategy.one_shot_only and strategy.client_config == {}

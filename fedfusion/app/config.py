@@ -15,7 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fedfusion.datasets import DATASETS, PARTITIONERS
+import torch
+
+from fedfusion.architecture import ModelSpec
+from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
+from fedfusion.strategies.base import FusionStrategy
 
 
 class ConfigError(ValueError):
@@ -70,6 +74,9 @@ class Settings:
     server_clip: float = 1.0
     server_eval_every: int = 30
     server_validation: bool = True
+    round_timeout: float = 3600.0
+    min_valid_uploads: int = 1
+    member_fusion: str = ""
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     # FedBEns' baselines (issue 5)
@@ -159,7 +166,13 @@ class Settings:
             raise ConfigError("run-config 'alpha' must be > 0")
         if self.split_seed < -1:
             raise ConfigError("run-config 'split-seed' must be -1 (follow 'seed') or >= 0")
-        for key in ("lr", "temperature", "prior-var", "server-lr", "server-clip"):
+        if self.min_valid_uploads < 1:
+            raise ConfigError("run-config 'min-valid-uploads' must be >= 1")
+        if self.member_fusion not in ("", "first", "each", "all"):
+            raise ConfigError("run-config 'member-fusion' must be '' (the strategy's default), "
+                              f"'first', 'each' or 'all', got {self.member_fusion!r}")
+        for key in ("lr", "temperature", "prior-var", "server-lr", "server-clip",
+                    "round-timeout"):
             if getattr(self, key.replace("-", "_")) <= 0:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
@@ -294,3 +307,38 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             f"run-config {key!r} must be {kind.__name__}, got {type(value).__name__} {value!r}"
         )
     return value
+
+
+def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | None = None,
+                   device: str | torch.device = "cpu") -> FusionStrategy:
+    """The run config's strategy, through its public constructor: the strategy's own knobs
+    from the run-config keys it declares (:attr:`FusionStrategy.config_keys`, whose defaults
+    equal the constructor's), the shared ones from the run's settings."""
+    from fedfusion.strategies import STRATEGIES
+
+    if settings.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {settings.strategy!r}; available: "
+                          f"{sorted(STRATEGIES)}")
+    cls = STRATEGIES[settings.strategy]
+    values = settings.to_mapping()
+    client_config = {}
+    if settings.contrastive_weight > 0:  # MOON-style clients, any strategy
+        client_config = {"contrastive-weight": settings.contrastive_weight,
+                         "contrastive-temperature": settings.contrastive_temperature}
+    try:
+        return cls(
+            model_spec,
+            num_clients=settings.num_clients,
+            num_members=settings.num_members,
+            val=val,
+            device=device,
+            seed=settings.seed,
+            min_valid_uploads=settings.min_valid_uploads,
+            round_timeout=settings.round_timeout,
+            extra_sections=[s for s in settings.extra_sections.split(",") if s],
+            members=settings.member_fusion or None,
+            client_config=client_config,
+            **{arg: values[key] for arg, key in cls.config_keys.items()},
+        )
+    except ValueError as exc:
+        raise ConfigError(f"strategy {settings.strategy!r}: {exc}") from exc

@@ -9,6 +9,7 @@ across rounds, as Flower's ``context.state`` does.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -32,7 +33,10 @@ class InProcessGrid(Grid):
     """Nodes ``100 + i`` run client ``i`` of ``settings`` in this process.
 
     ``tamper(node_index, reply) -> reply`` lets a test corrupt one client's upload;
-    clients in ``crash`` raise inside the ClientApp. Each client's settings come from
+    clients in ``crash`` raise inside the ClientApp; ``delay[i]`` seconds are added to client
+    i's work. The round ``timeout`` is honoured as on a real grid, where clients work in
+    parallel: a client whose own work took longer than ``timeout`` sends no reply.
+    Each client's settings come from
     :func:`~fedfusion.client_app.settings_for_node`, as in the ClientApp, with node config
     ``{"partition-id": i, **node_configs[i]}`` (e.g. a per-client ``model``).
     """
@@ -40,12 +44,14 @@ class InProcessGrid(Grid):
     def __init__(self, settings: Settings,
                  tamper: Callable[[int, Message], Message] | None = None,
                  crash: Iterable[int] = (),
-                 node_configs: Mapping[int, Mapping[str, Any]] | None = None):
+                 node_configs: Mapping[int, Mapping[str, Any]] | None = None,
+                 delay: Mapping[int, float] | None = None):
         ensure_task_identity()
         self.node_configs = dict(node_configs or {})
         self.settings = settings
         self.tamper = tamper
         self.crash = set(crash)
+        self.delay = dict(delay or {})
         self.node_ids = [100 + i for i in range(settings.num_clients)]
         self.states = {node: RecordDict() for node in self.node_ids}
         self._ids = itertools.count()
@@ -56,7 +62,9 @@ class InProcessGrid(Grid):
         for msg in messages:
             node = msg.metadata.dst_node_id
             client = self.node_ids.index(node)
+            start = time.perf_counter()
             try:
+                time.sleep(self.delay.get(client, 0.0))
                 if client in self.crash:
                     raise MemoryError(f"client {client} ran out of memory")
                 settings = settings_for_node(self.settings.to_mapping(), {
@@ -65,6 +73,8 @@ class InProcessGrid(Grid):
                 reply = Message(content, reply_to=msg)
             except Exception as exc:  # what Flower does with a ClientApp exception
                 reply = Message(Error(code=0, reason=str(exc)), reply_to=msg)
+            if timeout is not None and time.perf_counter() - start > timeout:
+                continue  # too late: the grid stopped waiting for this node
             replies.append(self.tamper(client, reply) if self.tamper else reply)
         return replies
 

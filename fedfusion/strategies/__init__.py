@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from fedfusion.strategies.ams import AdaptiveModelSelection
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
@@ -31,19 +31,6 @@ def available_strategies() -> list[str]:
     return sorted(STRATEGIES)
 
 
-def build_strategy(name: str, context: FusionContext, settings: object) -> FusionStrategy:
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; available: {available_strategies()}")
-    strategy = STRATEGIES[name].from_settings(context, settings)
-    extra = getattr(settings, "extra_sections", "")
-    strategy.extra_sections = tuple(s for s in extra.split(",") if s)
-    if getattr(settings, "contrastive_weight", 0.0) > 0:  # MOON-style clients, any strategy
-        strategy.client_config.update({
-            "contrastive-weight": settings.contrastive_weight,
-            "contrastive-temperature": settings.contrastive_temperature})
-    return strategy
-
-
 __all__ = [
     "PFNM",
     "STRATEGIES",
@@ -54,12 +41,10 @@ __all__ = [
     "FedFisher",
     "FedProx",
     "FisherMerge",
-    "FusionContext",
     "FusionStrategy",
     "OTFusion",
     "RegMean",
     "StatisticalWeightAggregation",
     "UniformEnsemble",
     "available_strategies",
-    "build_strategy",
 ]

@@ -29,28 +29,34 @@ from typing import Any
 
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import Ensemble, MaxLogitSelector
-from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.ensemble import UniformEnsemble
 
 
 class AdaptiveModelSelection(UniformEnsemble):
     """Per input, the client model(s) with the highest maximum logit (AMS-top1 / top-k).
 
-    The same models as the uniform ensemble, combined by selection instead of averaging."""
+    The same models as the uniform ensemble, combined by selection instead of averaging.
+
+    Parameters
+    ----------
+    top_k : int, default 1
+        1 = AMS-top1, k = the sum of the top-k models' logits, 0 = all (AMS-full).
+    """
 
     name = "ams"
 
-    def __init__(self, context: FusionContext, num_clients: int, *, top_k: int = 1):
-        super().__init__(context, num_clients)
+    config_keys = {"top_k": "ams-top-k"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 top_k: int = 1, **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
         if top_k < 0:
             raise ValueError(f"ams-top-k must be >= 0 (0 = all clients), got {top_k}")
         self.top_k = top_k
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> AdaptiveModelSelection:
-        return cls(context, settings.num_clients, top_k=settings.ams_top_k)
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         ensemble = super().fuse(uploads)

@@ -2,101 +2,190 @@
 
 A :class:`FusionStrategy` is a Flower Message-API strategy
 (:class:`flwr.serverapp.strategy.Strategy`) whose round is: broadcast the current global
-weights (M initial models in round 1) with the upload sections the strategy needs ->
-decode and validate every reply into a :class:`~fedfusion.payload.ClientUpload` ->
-:meth:`fuse` the valid uploads into a global predictor. A reply that fails validation is
-excluded with its reason recorded in :attr:`exclusions`; the round goes on with the rest.
+weights (M initial models in round 1, made and seeded by the strategy) with the upload
+sections the strategy needs -> decode and validate every reply into a
+:class:`~fedfusion.payload.ClientUpload` -> :meth:`fuse` the valid uploads into a global
+predictor. A reply that fails validation, a client error and a node that does not answer in
+time are each excluded with the reason recorded in :attr:`exclusions`; the round goes on
+with the rest.
 
-:meth:`fuse` sees only uploads, never messages, so cached uploads replay into any strategy
+:meth:`fuse` sees only uploads, never messages, so uploads made without Flower
+(:func:`fedfusion.client.make_upload`) or cached on disk replay into any strategy
 (:meth:`fuse_uploads`) with the same validation and the same result as a live run.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.datasets import ImageData
+from fedfusion.evaluation import LabelledData, as_labelled, resolve_device
 from fedfusion.payload import (
     WEIGHTS,
     ClientUpload,
+    NumpyDict,
     ParamShapes,
     UploadError,
     decode_upload,
     encode_models,
     validate_upload,
 )
-from fedfusion.predictors import Ensemble, ModelSpec
+from fedfusion.predictors import Ensemble
 
 log = logging.getLogger("fedfusion")
+
+#: train-config keys the strategy sets (the client helpers read them)
+SECTIONS_KEY, OPTIONAL_SECTIONS_KEY, ROUND_KEY = "sections", "optional-sections", "server-round"
+MODEL_KEY, MODEL_KWARGS_KEY = "model", "model-kwargs"
 
 
 @dataclass
 class FusionContext:
-    """What the server knows besides the uploads."""
+    """What the server knows besides the uploads (built by the strategy's constructor)."""
 
-    model_spec: ModelSpec  # the architecture the server broadcast
+    model_spec: ModelSpec  # the architecture the server broadcasts
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     val: ImageData | None = None  # server validation set for model selection (may be empty)
     seed: int = 0
 
     def spec_for(self, upload: ClientUpload) -> ModelSpec:
-        return ModelSpec(upload.model, self.model_spec.input_shape, self.model_spec.num_classes,
-                         upload.model_kwargs)
+        return self.model_spec.variant(upload.model, upload.model_kwargs)
 
     def param_shapes(self, model: str, kwargs: dict[str, object]) -> ParamShapes:
-        """Expected parameter shapes of ``model(**kwargs)`` on this server's data."""
-        return _param_shapes(model, self.model_spec.input_shape, self.model_spec.num_classes,
-                             json.dumps(kwargs, sort_keys=True))
+        """Expected parameter shapes of architecture ``model(**kwargs)`` on this server."""
+        return self.model_spec.variant(model, kwargs).param_shapes()
 
     def member_models(self, upload: ClientUpload) -> list[nn.Module]:
         spec = self.spec_for(upload)
         return [spec.build(member[WEIGHTS]) for member in upload.members]
 
 
-@functools.lru_cache(maxsize=64)
-def _param_shapes(
-    model: str, input_shape: tuple[int, ...], num_classes: int, kwargs_json: str
-) -> ParamShapes:
-    with torch.device("meta"):  # shapes only: no memory even for a large model
-        net = ModelSpec(model, input_shape, num_classes, json.loads(kwargs_json)).build()
-    return {name: tuple(t.shape) for name, t in net.state_dict().items()}
+#: numpy-style documentation of the arguments every strategy shares (appended to each
+#: strategy's docstring, so ``help(FedBEns)`` lists them all)
+COMMON_PARAMETERS = """
+    model_fn : callable, nn.Module or ModelSpec
+        The global architecture: ``model_fn() -> nn.Module`` (a fresh network), a template
+        module (deep-copied), or a :class:`~fedfusion.architecture.ModelSpec` (the zoo).
+    num_clients : int, optional
+        Shorthand for ``min_available_nodes = min_train_nodes = num_clients``.
+    num_members : int, default 1
+        M, the initial models the strategy broadcasts in round 1 (seeded by ``seed``); each
+        client trains one member from each (FedBEns' M).
+    val : (x, y) tensors, DataLoader or ImageData, optional
+        Server validation set, used for model selection where a strategy has a choice.
+    device : str or torch.device, default "auto"
+        Where the server fuses: "auto" = CUDA when present, else the CPU.
+    seed : int, default 0
+        Seeds the initial models and every random choice of the server.
+    fraction_train : float, default 1.0
+        As Flower's strategies: the fraction of available nodes sampled for training.
+    min_train_nodes : int, default 2
+        As Flower's strategies: the fewest nodes sampled for training.
+    min_available_nodes : int, default 2
+        As Flower's strategies: the nodes to wait for before a round starts.
+    min_valid_uploads : int, default 1
+        Fewer valid uploads than this after a round fails the run, with every exclusion
+        listed; otherwise the server fuses what it has.
+    round_timeout : float, default 3600.0
+        Seconds to wait for the replies of a round; a node that does not reply in time is
+        excluded with "no reply within N s".
+    extra_sections : sequence of str, default ()
+        Upload sections asked of the clients beyond the strategy's own (e.g. ``["gram"]``),
+        so one client run can be replayed into other strategies.
+    members : {"first", "each", "all"}, optional
+        Which client members to fuse: "first" = member 0 of each client (one model per
+        client, the default of the single-model baselines); "each" = member m of all clients
+        for every m, predicting with the ensemble of the M results (single-model strategies
+        only); "all" = every member (the default of FedBEns and the ensembles).
+    client_config : mapping, optional
+        Entries added to every train config, read by the client's local objective
+        (``prox-mu``, ``contrastive-weight``, ``contrastive-temperature``).
+"""
 
 
 class FusionStrategy(Strategy, ABC):
-    """Broadcast -> collect validated uploads -> fuse. Subclasses implement :meth:`fuse`."""
+    """Broadcast -> collect validated uploads -> fuse. Subclasses implement :meth:`fuse`.
+
+    Parameters
+    ----------
+    """
 
     name: ClassVar[str]
     #: sections every client must upload (the server asks for them in the train config)
     required_sections: tuple[str, ...] = (WEIGHTS,)
-    #: True where fusing twice makes no sense (ensembles): the server refuses num-rounds > 1
+    #: True where fusing twice makes no sense (ensembles): the App refuses num-rounds > 1
     one_shot_only: ClassVar[bool] = True
     #: True where all clients must share the broadcast architecture
     same_architecture: ClassVar[bool] = True
+    #: the accepted ``members`` values, the default first
+    member_modes: ClassVar[tuple[str, ...]] = ("first", "each")
+    #: constructor argument -> run-config key of the App (whose defaults must be equal)
+    config_keys: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, context: FusionContext, num_clients: int, min_valid_uploads: int = 1):
-        self.context = context
-        self.num_clients = num_clients
-        self.min_valid_uploads = min_valid_uploads
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ and "Parameters\n    ----------" in cls.__doc__:
+            cls.__doc__ = cls.__doc__.rstrip() + "\n" + COMMON_PARAMETERS
+
+    def __init__(
+        self,
+        model_fn: ModelFn | nn.Module | ModelSpec,
+        *,
+        num_clients: int | None = None,
+        num_members: int = 1,
+        val: LabelledData | None = None,
+        device: str | torch.device = "auto",
+        seed: int = 0,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 2,
+        min_available_nodes: int = 2,
+        min_valid_uploads: int = 1,
+        round_timeout: float = 3600.0,
+        extra_sections: Sequence[str] = (),
+        members: str | None = None,
+        client_config: Mapping[str, float] | None = None,
+    ):
+        val_data = as_labelled(val, "val") if val is not None else None
+        spec = ModelSpec.from_model_fn(model_fn)
+        if val_data is not None and len(val_data) and spec.model_fn is not None:
+            # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
+            spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
+            spec.num_classes = spec.num_classes or int(val_data.y.max()) + 1
+        self.context = FusionContext(spec, resolve_device(device), val_data, seed)
+        if num_clients is not None:
+            min_train_nodes = min_available_nodes = num_clients
+        _check("num_members", num_members, num_members >= 1, ">= 1")
+        _check("fraction_train", fraction_train, 0.0 < fraction_train <= 1.0, "in (0, 1]")
+        _check("min_train_nodes", min_train_nodes, min_train_nodes >= 1, ">= 1")
+        _check("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
+        _check("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
+        _check("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
+        self.members = members or self.member_modes[0]
+        _check("members", self.members, self.members in self.member_modes,
+               f"one of {self.member_modes} for {type(self).__name__}")
+        self.num_members, self.fraction_train = num_members, fraction_train
+        self.min_train_nodes, self.min_available_nodes = min_train_nodes, min_available_nodes
+        self.min_valid_uploads, self.round_timeout = min_valid_uploads, float(round_timeout)
         #: sections asked of the clients beyond ``required_sections`` (kept for replays)
-        self.extra_sections: tuple[str, ...] = ()
+        self.extra_sections = tuple(extra_sections)
         #: entries added to every round's train config: the client-side objective
-        #: (``prox-mu``, ``contrastive-weight``, ``contrastive-temperature``, read by the
-        #: ClientApp, see :class:`fedfusion.client_app.LocalObjective`)
-        self.client_config: dict[str, float] = {}
+        self.client_config: dict[str, float] = dict(client_config or {})
         self.uploads: list[ClientUpload] = []
         self.exclusions: list[dict[str, Any]] = []
         self.predictor: nn.Module | None = None
@@ -107,11 +196,12 @@ class FusionStrategy(Strategy, ABC):
         #: rounds: the client phase as the server sees it (training, statistics, transfer)
         self.client_round_seconds = 0.0
         self._sent_at: float | None = None
+        self._sent_to: list[int] = []
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> FusionStrategy:
-        """Build from :class:`fedfusion.app.config.Settings`; strategies with knobs override."""
-        return cls(context, num_clients=settings.num_clients)
+    @property
+    def num_clients(self) -> int:
+        """The nodes a round waits for (``min_available_nodes``)."""
+        return self.min_available_nodes
 
     # ------------------------------------------------------------------ fusion
     @abstractmethod
@@ -119,49 +209,82 @@ class FusionStrategy(Strategy, ABC):
         """Fuse valid uploads into a global predictor returning log-probabilities."""
 
     def fuse_uploads(self, uploads: Sequence[ClientUpload], server_round: int = 1) -> nn.Module:
-        """Validate (excluding bad uploads, recorded) and fuse: the replay entry point."""
+        """Validate (excluding bad uploads, recorded) and fuse uploads made without Flower
+        (:func:`fedfusion.client.make_upload`) or cached ones: the replay entry point."""
         valid = []
         for upload in uploads:
             try:
-                validate_upload(upload, self.context.param_shapes, self.required_sections)
                 self._check_architecture(upload)
+                validate_upload(upload, self.context.param_shapes, self.required_sections)
             except UploadError as exc:
                 self._exclude(server_round, exc.client, exc.problem)
                 continue
             valid.append(upload)
-        return self._fuse_valid(valid, server_round)
+        return self._fuse_valid(self._unique_clients(valid, server_round), server_round)
 
     def _fuse_valid(self, uploads: list[ClientUpload], server_round: int) -> nn.Module:
         if len(uploads) < self.min_valid_uploads:
-            reasons = sorted({e["reason"][:300] for e in self.exclusions})
+            reasons = "".join(f"\n  - client {e['client']}: {_summarise_reason(e['reason'])}"
+                              for e in self.exclusions if e["round"] == server_round)
             raise RuntimeError(
                 f"round {server_round}: {len(uploads)} valid upload(s), need at least "
-                f"{self.min_valid_uploads}; {len(self.exclusions)} excluded, because: "
-                + " | ".join(reasons)
-            )
+                f"{self.min_valid_uploads} (min_valid_uploads); excluded:{reasons or ' none'}")
         uploads = sorted(uploads, key=lambda u: u.client_id)
         self.uploads = uploads
         if self.upload_sink is not None:
             self.upload_sink(uploads)
+        if self.members == "first":
+            uploads = [dataclasses.replace(u, members=u.members[:1]) for u in uploads]
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
         self.predictor = self.fuse(uploads)
         self.fuse_seconds += time.perf_counter() - start
+        self._check_predictor(self.predictor)
         return self.predictor
 
+    def _check_predictor(self, predictor: nn.Module) -> None:
+        """A predictor that outputs NaN or Inf on the validation inputs is an error, not a
+        result (hostile but finite uploads can drive the fusion there)."""
+        val = self.context.val
+        if val is None or not len(val):
+            return
+        with torch.no_grad():
+            out = predictor.to(self.context.device)(val.x[:256].to(self.context.device))
+        if not torch.isfinite(out).all():
+            raise FloatingPointError(
+                f"[{self.name}] the fused predictor outputs NaN/Inf on the validation inputs; "
+                f"clients fused: {[u.client_id for u in self.uploads]}")
+
     def _check_architecture(self, upload: ClientUpload) -> None:
+        """Strategies with one architecture compare the declared one with the server's before
+        anything is built from it."""
         spec = self.context.model_spec
-        same = (upload.model, upload.model_kwargs) == (spec.name, spec.kwargs)
-        if self.same_architecture and not same:
+        if self.same_architecture and not spec.same_architecture(upload.model,
+                                                                  upload.model_kwargs):
             raise UploadError(
                 upload.client_id,
                 f"model {upload.model}{upload.model_kwargs} differs from the server's "
                 f"{spec.name}{spec.kwargs}; {self.name} needs one architecture",
             )
 
+    def _unique_clients(self, uploads: list[ClientUpload], server_round: int
+                        ) -> list[ClientUpload]:
+        """One upload per client id: a second claim of an id (from another node) is excluded,
+        so no client's upload can replace another's."""
+        owner: dict[int, ClientUpload] = {}
+        for upload in uploads:
+            first = owner.setdefault(upload.client_id, upload)
+            if first is not upload:
+                who = f"node {upload.node_id}" if upload.node_id is not None else "a duplicate"
+                self._exclude(server_round, who,
+                              f"claims client id {upload.client_id}, already uploaded by "
+                              + (f"node {first.node_id}" if first.node_id is not None
+                                 else "an earlier upload"))
+        return list(owner.values())
+
     def _exclude(self, server_round: int, client: str | int, reason: str) -> None:
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
-                    reason)
+                    _summarise_reason(reason))
         self.exclusions.append({"round": server_round, "client": str(client), "reason": reason})
 
     def report(self) -> dict[str, Any]:
@@ -169,52 +292,110 @@ class FusionStrategy(Strategy, ABC):
         return {}
 
     # ------------------------------------------------------- Flower Message API
+    def initial_models(self) -> list[NumpyDict]:
+        """The M initial models the strategy broadcasts (FedBEns Algorithm 1, line 1), seeded
+        by ``seed``: member m from ``torch.manual_seed(seed * 7919 + m)``."""
+        models = []
+        for m in range(self.num_members):
+            torch.manual_seed(self.context.seed * 7919 + m)
+            model = self.context.model_spec.build()
+            models.append({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
+        return models
+
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int = 1,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``Strategy.start`` with fedfusion's defaults: one round, the strategy's
+        own seeded initial models (:meth:`initial_models`) unless ``initial_arrays`` is given
+        (fedfusion's ``"<m>/<param>"`` broadcast, or a plain ``ArrayRecord`` of one model's
+        ``state_dict``), and ``round_timeout`` as the timeout."""
+        if initial_arrays is None:
+            initial_arrays = encode_models(self.initial_models())
+        elif initial_arrays and not all("/" in key for key in initial_arrays):
+            # a plain Flower ArrayRecord(model.state_dict()): one model, member 0
+            initial_arrays = encode_models([{k: a.numpy() for k, a in initial_arrays.items()}])
+        return super().start(grid, initial_arrays, num_rounds,
+                             timeout=self.round_timeout if timeout is None else timeout,
+                             train_config=train_config, evaluate_config=evaluate_config,
+                             evaluate_fn=evaluate_fn)
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Send the global arrays and the list of wanted upload sections to every client."""
-        node_ids, _ = sample_nodes(grid, self.num_clients, self.num_clients)
-        config["server-round"] = server_round
-        config["sections"] = list(self.required_sections)
+        """Send the global arrays, the wanted upload sections and the server's architecture
+        to the sampled nodes."""
+        available = len(list(grid.get_node_ids()))
+        sample_size = max(int(available * self.fraction_train), self.min_train_nodes)
+        node_ids, _ = sample_nodes(grid, self.min_available_nodes, sample_size)
+        spec = self.context.model_spec
+        config[ROUND_KEY] = server_round
+        config[SECTIONS_KEY] = list(self.required_sections)
+        config[MODEL_KEY] = spec.name
+        config[MODEL_KWARGS_KEY] = _json(spec.kwargs)
         for key, value in self.client_config.items():
             config[key] = value
         optional = [s for s in self.extra_sections if s not in self.required_sections]
         if optional:
-            config["optional-sections"] = optional
+            config[OPTIONAL_SECTIONS_KEY] = optional
         record = RecordDict({"arrays": arrays, "config": config})
         log.info("[%s] round %d: sending to %d client(s)", self.name, server_round, len(node_ids))
         self._sent_at = time.perf_counter()
+        self._sent_to = list(node_ids)
         return [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)
                 for node in node_ids]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode + validate each reply (excluding bad ones), then fuse."""
+        """Decode + validate each reply (excluding bad ones and silent nodes), then fuse."""
         if self._sent_at is not None:
             self.client_round_seconds += time.perf_counter() - self._sent_at
             self._sent_at = None
         valid: list[ClientUpload] = []
+        replied = set()
         for reply in replies:
             node = reply.metadata.src_node_id
+            replied.add(node)
             if reply.has_error():
                 self._exclude(server_round, f"node {node}", f"client error: {reply.error.reason}")
                 continue
             try:
-                upload = decode_upload(reply.content, f"node {node}", self.context.param_shapes,
+                upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
                                        self.required_sections)
                 self._check_architecture(upload)
             except UploadError as exc:
                 self._exclude(server_round, exc.client, exc.problem)
                 continue
-            log.info("[%s] round %d: client %d: %d member(s), %d examples, %.2f MB", self.name,
-                     server_round, upload.client_id, upload.num_members, upload.num_examples,
-                     upload.nbytes / 1e6)
+            upload.node_id = node
+            log.info("[%s] round %d: client %d (node %d): %d member(s), %d examples, %.2f MB",
+                     self.name, server_round, upload.client_id, node, upload.num_members,
+                     upload.num_examples, upload.nbytes / 1e6)
             valid.append(upload)
-        predictor = self._fuse_valid(valid, server_round)
-        metrics = MetricRecord({"num-valid-uploads": len(valid),
-                                "num-examples": sum(u.num_examples for u in valid)})
+        for node in self._sent_to:
+            if node not in replied:
+                self._exclude(server_round, f"node {node}",
+                              f"no reply within {self.round_timeout:g} s")
+        predictor = self._fuse_valid(self._unique_clients(valid, server_round), server_round)
+        metrics = MetricRecord({"num-valid-uploads": len(self.uploads),
+                                "num-examples": sum(u.num_examples for u in self.uploads)})
         return self.broadcast_arrays(predictor), metrics
+
+    def _declared_shapes(self, model: str, kwargs: dict[str, object]) -> ParamShapes:
+        """Shapes of a client's declared architecture, refused before anything is built when
+        this strategy needs the server's own."""
+        if self.same_architecture and not self.context.model_spec.same_architecture(model,
+                                                                                  kwargs):
+            spec = self.context.model_spec
+            raise ValueError(f"model {model}{kwargs} differs from the server's "
+                             f"{spec.name}{spec.kwargs}; {self.name} needs one architecture")
+        return self.context.param_shapes(model, kwargs)
 
     def broadcast_arrays(self, predictor: nn.Module) -> ArrayRecord:
         """What the next round (if any) broadcasts: the predictor's member weights."""
@@ -235,5 +416,29 @@ class FusionStrategy(Strategy, ABC):
         return None
 
     def summary(self) -> None:
-        log.info("\t├──> %s: %d clients, sections %s", self.name, self.num_clients,
-                 list(self.required_sections))
+        log.info("\t├──> %s: %d client(s), %d member(s), sections %s", self.name,
+                 self.num_clients, self.num_members,
+                 [*self.required_sections, *self.extra_sections])
+
+
+FusionStrategy.__doc__ = (FusionStrategy.__doc__ or "").rstrip() + "\n" + COMMON_PARAMETERS
+
+
+def _check(name: str, value: object, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _summarise_reason(reason: str, limit: int = 400) -> str:
+    """A long reason (e.g. a Ray-wrapped client traceback) cut to its first line and its root
+    cause, the last ``SomethingError: ...`` line, instead of its first ``limit`` characters."""
+    if len(reason) <= limit:
+        return reason
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+    cause = causes[-1] if causes else lines[-1]
+    return f"{lines[0][:150]} ... {cause[:limit]}"

@@ -96,10 +96,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import classification_metrics
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 
 log = logging.getLogger("fedfusion")
@@ -209,15 +210,40 @@ class SamplePool:
 
 
 class Dense(FusionStrategy):
-    """Data-free distillation of the client ensemble into one student; see the module doc."""
+    """Data-free distillation of the client ensemble into one student; see the module doc.
+
+    Parameters
+    ----------
+    epochs : int, default 200
+        Generator/distillation iterations.
+    batch_size : int, default 256
+        Synthetic batch size.
+    latent_dim : int, default 256
+        Generator noise dimension.
+    g_lr, s_lr : float, default 1e-3, 0.01
+        Generator and student learning rates.
+    g_steps, s_steps : int, default 1, 5
+        Generator and student steps per iteration.
+    adv_weight : float, default 1.0
+        Weight of the adversarial (teacher-student disagreement) loss.
+    act_weight : float, default 0.1
+        Weight of the activation-statistics loss.
+    stats_term, student_init, generator_width, temperature, data_range, pool_batches, \
+adv_mask, eval_fraction
+        Details of the generator and the distillation (see the module docstring).
+    """
 
     name = "dense"
+    member_modes = ("first", "all")  # teachers: member 0 of each client, or every member
+    config_keys = {"epochs": "dense-epochs", "batch_size": "dense-batch-size",
+                   "latent_dim": "dense-latent-dim", "g_lr": "dense-g-lr", "s_lr": "dense-s-lr",
+                   "g_steps": "dense-g-steps", "s_steps": "dense-s-steps",
+                   "adv_weight": "dense-adv-weight", "act_weight": "dense-act-weight"}
     required_sections = (WEIGHTS,)
 
     def __init__(
         self,
-        context: FusionContext,
-        num_clients: int,
+        model_fn: ModelFn | nn.Module | ModelSpec,
         *,
         epochs: int = 200,
         batch_size: int = 256,
@@ -236,8 +262,9 @@ class Dense(FusionStrategy):
         pool_batches: int = 10,
         adv_mask: bool = True,
         eval_fraction: float = 0.1,
+        **kwargs: Any,
     ):
-        super().__init__(context, num_clients)
+        super().__init__(model_fn, **kwargs)
         if stats_term not in STATS_TERMS:
             raise ValueError(f"stats_term {stats_term!r}: choose one of {STATS_TERMS}")
         if student_init not in ("fedavg", "random"):
@@ -262,13 +289,6 @@ class Dense(FusionStrategy):
         self.student: nn.Module | None = None
         self.teacher: LogitEnsemble | None = None
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> Dense:
-        return cls(context, settings.num_clients, epochs=settings.dense_epochs,
-                   batch_size=settings.dense_batch_size, latent_dim=settings.dense_latent_dim,
-                   g_lr=settings.dense_g_lr, s_lr=settings.dense_s_lr,
-                   g_steps=settings.dense_g_steps, s_steps=settings.dense_s_steps,
-                   adv_weight=settings.dense_adv_weight, act_weight=settings.dense_act_weight)
 
     # ------------------------------------------------------------------ set-up
     def channel_range(self) -> tuple[torch.Tensor, torch.Tensor]:

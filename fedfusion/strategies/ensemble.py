@@ -13,10 +13,15 @@ from fedfusion.strategies.base import FusionStrategy
 
 
 class UniformEnsemble(FusionStrategy):
-    """Average of all client members' softmax outputs."""
+    """Average of all client members' softmax outputs.
+
+    Parameters
+    ----------
+    """
 
     name = "ensemble"
     same_architecture = False
+    member_modes = ("all", "first")
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         models, specs = [], []

@@ -13,11 +13,13 @@ client, or per parameter one weight per client (layer-wise averaging).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from torch import nn
 
-from fedfusion.payload import ClientUpload, NumpyDict
+from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.payload import ClientUpload, NumpyDict, UploadError
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 
@@ -48,15 +50,37 @@ def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: AverageWe
 
 
 class FedAvg(FusionStrategy):
-    """Sample-size weighted parameter average."""
+    """Sample-size weighted parameter average.
+
+    Parameters
+    ----------
+    weighted_by_key : str, default "num-examples"
+        As Flower's FedAvg: the upload metric each client is weighted by ("num-examples", or
+        any positive number the client reports in its metrics).
+    """
 
     name = "fedavg"
     one_shot_only = False
 
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 weighted_by_key: str = "num-examples", **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
+        self.weighted_by_key = weighted_by_key
+
+    def client_weight(self, upload: ClientUpload) -> float:
+        """The client's averaging weight: its ``weighted_by_key`` metric."""
+        if self.weighted_by_key == "num-examples":
+            return float(upload.num_examples)
+        value = upload.metrics.get(self.weighted_by_key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise UploadError(upload.client_id, f"metric {self.weighted_by_key!r} "
+                              f"(weighted_by_key) must be a positive number, got {value!r}")
+        return float(value)
+
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
         """The fused weights of member ``member`` from the clients that uploaded it."""
         return weighted_average([u.weights(member) for u in holders],
-                                [u.num_examples for u in holders])
+                                [self.client_weight(u) for u in holders])
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         num_members = max(u.num_members for u in uploads)

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import (
+    STRUCTURES,
     MixtureObjective,
     StackedGaussians,
     curvature_from_arrays,
@@ -40,7 +42,7 @@ from fedfusion.curvature import (
 )
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.uploads import curvature_section
 
@@ -48,27 +50,68 @@ log = logging.getLogger("fedfusion")
 
 
 class FedBEns(FusionStrategy):
-    """Mixture-of-Laplace global posterior, R batched Adam runs, ensemble of the modes."""
+    """Mixture-of-Laplace global posterior, R batched Adam runs, ensemble of the modes.
+
+    Parameters
+    ----------
+    hessian_structure : {"kron", "diag", "diag_full"}, default "kron"
+        The Laplace curvature the clients upload (section ``curvature.<structure>``).
+    temperature : float, default 0.1
+        T in the member precision H / T + I / prior_var.
+    prior_var : float, default 0.1
+        sigma^2 of the Gaussian prior N(0, sigma^2 I).
+    steps : int, default 300
+        Adam steps per mode with a validation set (best validation iterate kept).
+    steps_noval : int, default 100
+        Adam steps per mode without one (the last, best-objective iterate is kept: the
+        paper's Appendix C.4 protocol).
+    lr : float, default 1e-3
+        Adam learning rate.
+    clip : float, default 1.0
+        Gradient-norm clip per mode.
+    eval_every : int, default 30
+        Steps between model-selection evaluations.
+    prune_margin : float, default 50.0
+        Members more than this many nats below their client's best are skipped between
+        refreshes (0 = evaluate every member at every step).
+    refresh_every : int, default 10
+        Steps between full re-evaluations of all members.
+    dtype : torch.dtype, default torch.float32
+        Precision of the server optimisation.
+    """
 
     name = "fedbens"
+    member_modes = ("all", "first")
+    config_keys = {"hessian_structure": "hessian-structure", "temperature": "temperature",
+                   "prior_var": "prior-var", "steps": "server-steps",
+                   "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
+                   "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
+                   "refresh_every": "mixture-refresh-every"}
 
     def __init__(
         self,
-        context: FusionContext,
-        num_clients: int,
+        model_fn: ModelFn | nn.Module | ModelSpec,
         *,
         hessian_structure: str = "kron",
         temperature: float = 0.1,
         prior_var: float = 0.1,
         steps: int = 300,
+        steps_noval: int = 100,
         lr: float = 1e-3,
         clip: float = 1.0,
         eval_every: int = 30,
         prune_margin: float = 50.0,
         refresh_every: int = 10,
         dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
     ):
-        super().__init__(context, num_clients)
+        super().__init__(model_fn, **kwargs)
+        if hessian_structure not in STRUCTURES:
+            raise ValueError(f"hessian_structure must be one of {STRUCTURES}, "
+                             f"got {hessian_structure!r}")
+        # without a validation set the last (best-objective) iterate is kept, so the run
+        # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
+        steps = steps if self.context.val is not None else steps_noval
         self.structure = hessian_structure
         self.required_sections = (WEIGHTS, curvature_section(hessian_structure))
         self.temperature, self.prior_var = temperature, prior_var
@@ -77,18 +120,6 @@ class FedBEns(FusionStrategy):
         self.mixture: MixtureObjective | None = None
         self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
                                          dtype=dtype, label="fedbens")
-
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> FedBEns:
-        # without a validation set the last (best-objective) iterate is kept, so the run
-        # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
-        steps = settings.server_steps if context.val is not None else settings.server_steps_noval
-        return cls(context, settings.num_clients, hessian_structure=settings.hessian_structure,
-                   temperature=settings.temperature, prior_var=settings.prior_var,
-                   steps=steps, lr=settings.server_lr, clip=settings.server_clip,
-                   eval_every=settings.server_eval_every,
-                   prune_margin=settings.mixture_prune_margin,
-                   refresh_every=settings.mixture_refresh_every)
 
     # ------------------------------------------------------------------ posterior
     def build_posterior(self, uploads: Sequence[ClientUpload]) -> tuple[StackedGaussians,

@@ -61,11 +61,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.app.config import ConfigError
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.uploads import curvature_section
@@ -97,15 +97,36 @@ class FedFisherProblem:
 
 
 class FedFisher(FusionStrategy):
-    """Minimise the p-weighted sum of the clients' Fisher quadratics from the FedAvg point."""
+    """Minimise the p-weighted sum of the clients' Fisher quadratics from the FedAvg point.
+
+    Parameters
+    ----------
+    hessian_structure : {"kron", "diag"}, default "kron"
+        FedFisher K-FAC or FedFisher Diag (section ``curvature.<structure>``).
+    steps : int, default 2000
+        Optimiser steps per member index.
+    lr : float, default 0.01
+        Learning rate.
+    eval_every : int, default 100
+        Steps between model-selection evaluations.
+    optimizer : {"adam", "sgd"}, default "adam"
+        The server optimiser (Adam as the official FedFisher code).
+    clip : float, optional
+        Gradient-norm clip per run (None = no clip).
+    damping : float, default 1e-6
+        Added to every curvature (H + damping I).
+    dtype : torch.dtype, default torch.float32
+        Precision of the server optimisation.
+    """
 
     name = "fedfisher"
+    config_keys = {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",
+                   "lr": "fedfisher-lr", "eval_every": "fedfisher-eval-every"}
     one_shot_only = False  # one model per member index, like FedAvg: multi-round FedFisher
 
     def __init__(
         self,
-        context: FusionContext,
-        num_clients: int,
+        model_fn: ModelFn | nn.Module | ModelSpec,
         *,
         hessian_structure: str = "kron",
         steps: int = 2000,
@@ -115,16 +136,17 @@ class FedFisher(FusionStrategy):
         clip: float | None = None,
         damping: float = 1e-6,
         dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
     ):
-        super().__init__(context, num_clients)
+        super().__init__(model_fn, **kwargs)
         if hessian_structure not in VARIANTS:
-            raise ConfigError(
+            raise ValueError(
                 f"fedfisher needs hessian-structure 'kron' (FedFisher K-FAC) or 'diag' "
                 f"(FedFisher Diag), got {hessian_structure!r}")
         if optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"fedfisher optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+            raise ValueError(f"fedfisher optimizer must be 'adam' or 'sgd', got {optimizer!r}")
         if not damping > 0:
-            raise ConfigError(f"fedfisher damping must be > 0, got {damping}")
+            raise ValueError(f"fedfisher damping must be > 0, got {damping}")
         self.structure = hessian_structure
         self.required_sections = (WEIGHTS, curvature_section(hessian_structure))
         self.damping = damping
@@ -135,11 +157,6 @@ class FedFisher(FusionStrategy):
                                          optimizer=optimizer, adam_betas=(0.9, 0.99),
                                          adam_eps=1e-3, dtype=dtype, label="fedfisher")
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> FedFisher:
-        return cls(context, settings.num_clients, hessian_structure=settings.hessian_structure,
-                   steps=settings.fedfisher_steps, lr=settings.fedfisher_lr,
-                   eval_every=settings.fedfisher_eval_every)
 
     # ------------------------------------------------------------------ objective
     def build_problem(self, uploads: Sequence[ClientUpload]) -> FedFisherProblem:

@@ -11,22 +11,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from torch import nn
+
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.strategies.fedavg import FedAvg
 
 
 class FedProx(FedAvg):
-    """FedAvg aggregation, proximal local objective."""
+    """FedAvg aggregation, proximal local objective.
+
+    Parameters
+    ----------
+    prox_mu : float, default 0.01
+        mu of the proximal term the clients add (sent in every train config).
+    """
 
     name = "fedprox"
 
-    def __init__(self, context: FusionContext, num_clients: int, prox_mu: float = 0.01,
-                 min_valid_uploads: int = 1):
-        super().__init__(context, num_clients, min_valid_uploads)
+    config_keys = {"prox_mu": "prox-mu"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 prox_mu: float = 0.01, **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
         if not prox_mu >= 0:
             raise ValueError(f"prox-mu must be >= 0, got {prox_mu}")
         self.client_config["prox-mu"] = float(prox_mu)
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> FusionStrategy:
-        return cls(context, settings.num_clients, settings.prox_mu)

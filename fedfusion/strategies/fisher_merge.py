@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import DiagCurvature, curvature_from_arrays
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.uploads import curvature_section
 
@@ -66,14 +67,22 @@ def fisher_merge(
 
 
 class FisherMerge(FusionStrategy):
-    """Diagonal-Fisher weighted parameter average, FedAvg where no client has Fisher mass."""
+    """Diagonal-Fisher weighted parameter average, FedAvg where no client has Fisher mass.
+
+    Parameters
+    ----------
+    floor : float, default 1e-6
+        A parameter whose summed Fisher is below ``floor`` times the layer's total falls back
+        to the sample-weighted average.
+    """
 
     name = "fisher-merge"
     required_sections = (WEIGHTS, SECTION)
     one_shot_only = False  # one model per member index, like FedAvg
 
-    def __init__(self, context: FusionContext, num_clients: int, *, floor: float = 1e-6):
-        super().__init__(context, num_clients)
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 floor: float = 1e-6, **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
         if not floor >= 0:
             raise ValueError(f"fisher-merge floor must be >= 0, got {floor}")
         self.floor = floor

@@ -56,10 +56,11 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.gram import forward_with_hooks, gram_layers
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 
 log = logging.getLogger("fedfusion")
@@ -220,20 +221,26 @@ def activation_cost(reference_acts: Sequence[torch.Tensor], model_acts: Sequence
 
 
 class OTFusion(FusionStrategy):
-    """Align every client's neurons to the reference client by exact OT, then average."""
+    """Align every client's neurons to the reference client by exact OT, then average.
+
+    Parameters
+    ----------
+    mode : {"weights", "activations"}, default "weights"
+        Align neurons by their weights, or by their activations on the validation inputs.
+    """
 
     name = "otfusion"
 
-    def __init__(self, context: FusionContext, num_clients: int, *, mode: str = "weights"):
-        super().__init__(context, num_clients)
+    config_keys = {"mode": "otfusion-mode"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 mode: str = "weights", **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
         if mode not in MODES:
             raise ValueError(f"otfusion-mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self._report: dict[str, Any] = {}
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> OTFusion:
-        return cls(context, settings.num_clients, mode=settings.otfusion_mode)
 
     @property
     def effective_mode(self) -> str:

@@ -65,9 +65,10 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.payload import ClientUpload, UploadError
-from fedfusion.predictors import Ensemble, ModelSpec
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.predictors import Ensemble
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.otfusion import Layer, layer_chain
 
 log = logging.getLogger("fedfusion")
@@ -216,13 +217,30 @@ def _output_bias(clients: Sequence[ClientMLP], obs: float, prior: float) -> np.n
 
 
 class PFNM(FusionStrategy):
-    """BBP-MAP neuron matching of MLPs into one (wider) global MLP."""
+    """BBP-MAP neuron matching of MLPs into one (wider) global MLP.
+
+    Parameters
+    ----------
+    sigma : float, default 1.0
+        Variance sigma^2 of local neurons around their global neuron.
+    sigma0 : float, default 1.0
+        Prior variance sigma0^2 of a global neuron.
+    gamma : float, default 1.0
+        Beta-Bernoulli process mass gamma0 (larger = more new neurons).
+    iters : int, default 5
+        Passes of re-matching every client after the greedy start.
+    """
 
     name = "pfnm"
 
-    def __init__(self, context: FusionContext, num_clients: int, *, sigma: float = 1.0,
-                 sigma0: float = 1.0, gamma: float = 1.0, iters: int = 5):
-        super().__init__(context, num_clients)
+    config_keys = {"sigma": "pfnm-sigma", "sigma0": "pfnm-sigma0", "gamma": "pfnm-gamma",
+                   "iters": "pfnm-iters"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 sigma: float = 1.0, sigma0: float = 1.0,
+                 gamma: float = 1.0, iters: int = 5, **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
+        context = self.context
         if context.model_spec.name != "mlp":
             raise ValueError(f"pfnm matches MLPs only; the run's model is "
                              f"{context.model_spec.name!r}: set model=mlp")
@@ -234,11 +252,6 @@ class PFNM(FusionStrategy):
             raise ValueError("pfnm needs an MLP with at least one hidden layer")
         self._report: dict[str, Any] = {}
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> PFNM:
-        return cls(context, settings.num_clients, sigma=settings.pfnm_sigma,
-                   sigma0=settings.pfnm_sigma0, gamma=settings.pfnm_gamma,
-                   iters=settings.pfnm_iters)
 
     def _layers(self, model: str, kwargs: dict[str, object]) -> list[Layer]:
         return layer_chain(self.context.param_shapes(model, kwargs))

@@ -44,11 +44,12 @@ import torch
 from torch import nn
 
 import fedfusion.uploads  # noqa: F401  (registers the "gram" upload section's validator)
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import evaluate
 from fedfusion.gram import expected_gram_sizes
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionContext, FusionStrategy
+from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 
 log = logging.getLogger("fedfusion")
@@ -111,22 +112,30 @@ def bias_name(weight_name: str) -> str:
 
 
 class RegMean(FusionStrategy):
-    """Gram-weighted least-squares merge of every layer; alpha chosen on validation."""
+    """Gram-weighted least-squares merge of every layer; alpha chosen on validation.
+
+    Parameters
+    ----------
+    alphas : sequence of float or str, default (0.1, 0.5, 0.9)
+        Off-diagonal scales of the Grams (or ``"0.1,0.5,0.9"``); several are chosen on the
+        validation set, without one the last is used.
+    """
 
     name = "regmean"
     required_sections = (WEIGHTS, GRAM)
 
-    def __init__(self, context: FusionContext, num_clients: int, *,
-                 alphas: Sequence[float] = (0.1, 0.5, 0.9)):
-        super().__init__(context, num_clients)
+    config_keys = {"alphas": "regmean-alpha"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 alphas: Sequence[float] | str = (0.1, 0.5, 0.9), **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
+        if isinstance(alphas, str):
+            alphas = parse_alphas(alphas)
         if not alphas:
             raise ValueError("RegMean needs at least one alpha")
         self.alphas = [float(a) for a in alphas]
         self._report: dict[str, Any] = {}
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> RegMean:
-        return cls(context, settings.num_clients, alphas=parse_alphas(settings.regmean_alpha))
 
     # ------------------------------------------------------------------ math
     def layer_sums(self, uploads: Sequence[ClientUpload], member: int

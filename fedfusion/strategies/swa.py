@@ -37,10 +37,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from torch import nn
 
+from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.gaussianity import DISTANCES, gaussianity_distance
 from fedfusion.payload import ClientUpload, NumpyDict
-from fedfusion.strategies.base import FusionContext, FusionStrategy
 from fedfusion.strategies.fedavg import FedAvg, weighted_average
 
 #: the ``swa-distance`` choices
@@ -76,14 +77,25 @@ def layer_weights(scores: dict[str, np.ndarray], sizes: Sequence[float] | None =
 
 
 class StatisticalWeightAggregation(FedAvg):
-    """Layer-wise average weighted by the layers' distance from Gaussianity (SWA)."""
+    """Layer-wise average weighted by the layers' distance from Gaussianity (SWA).
+
+    Parameters
+    ----------
+    distance : {"hos", "renyi0", "renyi0.5", "renyi1", "renyi2", "uniform"}, default "hos"
+        The Gaussianity distance of each client's layer (uniform = plain average).
+    size_weighting : bool, default False
+        Multiply each client's layer weights by its example count.
+    """
 
     name = "swa"
     one_shot_only = False
 
-    def __init__(self, context: FusionContext, num_clients: int, distance: str = "hos",
-                 size_weighting: bool = False, min_valid_uploads: int = 1):
-        super().__init__(context, num_clients, min_valid_uploads)
+    config_keys = {"distance": "swa-distance", "size_weighting": "swa-size-weighting"}
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 distance: str = "hos",
+                 size_weighting: bool = False, **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
         if distance not in SWA_DISTANCES:
             raise ValueError(f"unknown swa-distance {distance!r}; choose one of "
                              f"{', '.join(SWA_DISTANCES)}")
@@ -91,10 +103,6 @@ class StatisticalWeightAggregation(FedAvg):
         self.size_weighting = size_weighting
         self._last: dict[str, Any] = {}
 
-    @classmethod
-    def from_settings(cls, context: FusionContext, settings: Any) -> FusionStrategy:
-        return cls(context, settings.num_clients, settings.swa_distance,
-                   settings.swa_size_weighting)
 
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
         arrays = [u.weights(member) for u in holders]

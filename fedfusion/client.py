@@ -1,0 +1,213 @@
+"""The client side of fedfusion for any Flower ClientApp: the server's initial models in, the
+upload the strategies expect out. Training stays the user's own::
+
+    from fedfusion import client
+
+    @app.train()
+    def train(msg, context):
+        models = client.initial_models(msg, Net)      # the M models the strategy broadcast
+        for model in models:
+            my_training_loop(model, x, y)             # any loop, any optimiser
+        return client.reply(msg, models, x, y)        # exactly the sections the server asks
+
+:func:`make_upload` does the same without Flower (a :class:`~fedfusion.payload.ClientUpload`
+for :meth:`~fedfusion.strategies.FusionStrategy.fuse_uploads`). Curvature sections
+(``curvature.kron`` / ``diag`` / ``diag_full``) need laplace-torch on the client; weights and
+Gram sections do not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Message, RecordDict
+from torch import nn
+
+from fedfusion.curvature import import_laplace
+from fedfusion.evaluation import LabelledData, as_labelled
+from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
+from fedfusion.uploads import CURVATURE_PREFIX, SectionOptions, build_section
+
+log = logging.getLogger("fedfusion")
+
+__all__ = ["broadcast_states", "initial_models", "make_upload", "reply", "requested_sections"]
+
+
+def _content(msg: Message | RecordDict) -> RecordDict:
+    return msg.content if isinstance(msg, Message) else msg
+
+
+def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
+    """The state dicts the server broadcast (``"<m>/<param>"`` keys of the ``arrays`` record)."""
+    content = _content(msg)
+    if "arrays" not in content:
+        raise ValueError(f"the train message has no 'arrays' record (it holds {list(content)}): "
+                         "was it sent by a fedfusion strategy's configure_train?")
+    try:
+        return decode_models(content["arrays"])
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}. A fedfusion strategy broadcasts M models with keys '<m>/<param>' "
+            "(fedfusion.payload.encode_models); a plain Flower ArrayRecord(model.state_dict()) "
+            "is one model: pass it to strategy.start(grid, initial_arrays=...) and the strategy "
+            "converts it") from exc
+
+
+def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module]) -> list[nn.Module]:
+    """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights."""
+    models = []
+    for m, state in enumerate(broadcast_states(msg)):
+        model = model_fn()
+        try:
+            model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+        except RuntimeError as exc:
+            raise ValueError(f"the server's member {m} does not fit model_fn()'s network "
+                             f"{type(model).__name__}: {exc}") from exc
+        models.append(model)
+    return models
+
+
+def requested_sections(msg: Message | RecordDict) -> tuple[list[str], list[str]]:
+    """(required, optional) upload sections the server asks for in the train config."""
+    config = _content(msg)["config"] if "config" in _content(msg) else {}
+    required = list(config.get("sections", [WEIGHTS]))
+    optional = [s for s in config.get("optional-sections", []) if s not in required]
+    return required, optional
+
+
+def make_upload(
+    models: Sequence[nn.Module],
+    x: torch.Tensor | LabelledData,
+    y: torch.Tensor | None = None,
+    sections: Sequence[str] = (WEIGHTS,),
+    *,
+    optional_sections: Sequence[str] = (),
+    client_id: int = 0,
+    model_name: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    num_classes: int | None = None,
+    metrics: Mapping[str, float | int] | None = None,
+    **options: Any,
+) -> ClientUpload:
+    """The upload of a client's trained ``models`` (its members) on its data ``(x, y)``.
+
+    Parameters
+    ----------
+    models : sequence of nn.Module
+        The client's trained members (all of one architecture).
+    x, y : tensors
+        The client's training data (or ``x`` = an ``(x, y)`` pair / DataLoader, ``y`` = None):
+        curvature and Gram sections are computed on it.
+    sections : sequence of str, default ("weights",)
+        Sections every member must carry (a failure raises).
+    optional_sections : sequence of str, default ()
+        Sections wanted for replays; one that fails is left out with a warning.
+    client_id : int, default 0
+        The client's id in the federation (the server still identifies it by its node).
+    model_name, model_kwargs : optional
+        The architecture as the server knows it; default: the class name of ``models[0]``
+        and no kwargs.
+    num_classes : int, optional
+        Length of the class histogram; default: the models' output size.
+    metrics : mapping, optional
+        More metrics to report (e.g. a ``weighted_by_key`` for FedAvg).
+    **options
+        How sections are computed: ``curvature_backend`` ("" = measured default),
+        ``curvature_batch_size`` (256), ``curvature_rank`` (0 = all eigenpairs),
+        ``curvature_half`` (False), ``temperature`` (0.1), ``prior_var`` (0.1), ``seed`` (0);
+        see :class:`fedfusion.uploads.SectionOptions`.
+    """
+    if y is None:
+        data = as_labelled(x, "client data")
+        x, y = data.x, data.y
+    if not models:
+        raise ValueError("make_upload needs at least one trained model")
+    try:
+        section_options = SectionOptions(**options)
+    except TypeError as exc:
+        raise TypeError(f"{exc}; options are the fields of fedfusion.uploads.SectionOptions") \
+            from exc
+    optional = [s for s in optional_sections if s not in sections]
+    wanted = [*sections, *optional]
+    if any(section.startswith(CURVATURE_PREFIX) for section in wanted):
+        # once per process, before the timed fits (else member 0's fit carries it)
+        import_s = import_laplace()
+        if import_s > 0:
+            log.info("client %d: laplace-torch imported in %.1f s", client_id, import_s)
+    section_s = dict.fromkeys(wanted, 0.0)
+    failed: dict[str, str] = {}
+    members: list[dict[str, NumpyDict]] = []
+    for model in models:
+        model.eval()
+        member: dict[str, NumpyDict] = {}
+        for section in wanted:
+            if section in failed:
+                continue
+            start = time.perf_counter()
+            try:
+                member[section] = build_section(section, model, x, y, section_options, member)
+            except Exception as exc:
+                if section in sections:
+                    raise
+                failed[section] = f"{type(exc).__name__}: {exc}"
+                log.warning("client %d: optional section %s left out: %s", client_id, section,
+                            failed[section])
+            section_s[section] += time.perf_counter() - start
+        members.append(member)
+    for member in members:  # every member carries the same sections
+        for section in failed:
+            member.pop(section, None)
+    if num_classes is None:
+        with torch.no_grad():
+            num_classes = int(models[0](x[:1]).shape[-1])
+    histogram = torch.bincount(y.long(), minlength=num_classes)
+    return ClientUpload(
+        client_id=int(client_id),
+        model=model_name or type(models[0]).__name__,
+        model_kwargs=dict(model_kwargs or {}),
+        num_examples=len(y),
+        members=members,
+        metrics={
+            "stats-time-s": sum(section_s.values()),
+            **{f"time-s/{section}": t for section, t in section_s.items()},
+            "class-histogram": [int(v) for v in histogram],
+            **dict(metrics or {}),
+        },
+    )
+
+
+def reply(
+    msg: Message,
+    models: Sequence[nn.Module],
+    x: torch.Tensor | LabelledData,
+    y: torch.Tensor | None = None,
+    *,
+    client_id: int | None = None,
+    model_name: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Message:
+    """The Flower reply to the server's train ``msg``: :func:`make_upload` with exactly the
+    sections the message asks for, encoded in fedfusion's upload format.
+
+    ``client_id`` defaults to the node id; ``model_name``/``model_kwargs`` default to the
+    architecture the server broadcast (pass your own where clients differ, for ensembles and
+    AMS). Other keyword arguments go to :func:`make_upload`.
+    """
+    sections, optional = requested_sections(msg)
+    config = msg.content["config"] if "config" in msg.content else {}
+    if model_name is None and "model" in config:
+        model_name = str(config["model"])
+        if model_kwargs is None and "model-kwargs" in config:
+            model_kwargs = json.loads(str(config["model-kwargs"]))
+    upload = make_upload(
+        models, x, y, sections, optional_sections=optional,
+        client_id=msg.metadata.dst_node_id if client_id is None else client_id,
+        model_name=model_name, model_kwargs=model_kwargs, **kwargs)
+    return Message(content=encode_upload(upload), reply_to=msg)
