@@ -1,9 +1,48 @@
-"""fedfusion: Flower strategies that fuse client models in one shot (or a few rounds)."""
+"""fedfusion: Flower strategies that fuse client models in one shot (or a few rounds).
 
+The library, importable into any Flower project (see docs/library.md):
+
+* strategies: :mod:`fedfusion.strategies` (``FedBEns``, ``RegMean``, ``AdaptiveModelSelection``,
+  ``FedAvg``, ...), each built from a model factory: ``FedBEns(Net, num_clients=5,
+  num_members=3, val=(x_val, y_val))``, then ``strategy.start(grid)``;
+* the client side: :mod:`fedfusion.client` (``initial_models``, ``reply``, ``make_upload``);
+* :func:`evaluate`, :class:`ModelSpec`, :class:`ClientUpload`, :class:`LocalGrid`,
+  :func:`load_predictor`.
+
+The Flower App (run config, launcher, replay CLI) is :mod:`fedfusion.app` with the components
+:mod:`fedfusion.server_app` and :mod:`fedfusion.client_app`.
+"""
+
+from __future__ import annotations
+
+import importlib
 import logging
 import sys
+from typing import Any
 
 __version__ = "0.1.0"
+
+#: public name -> module that defines it (imported on first use: ``import fedfusion`` stays
+#: light, and no submodule import cycles through this package)
+_EXPORTS = {
+    "evaluate": "fedfusion.evaluation",
+    "ModelSpec": "fedfusion.architecture",
+    "ClientUpload": "fedfusion.payload",
+    "UploadError": "fedfusion.payload",
+    "LocalGrid": "fedfusion.local",
+    "load_predictor": "fedfusion.predictors",
+    "save_predictor": "fedfusion.predictors",
+}
+
+__all__ = [*_EXPORTS, "client", "strategies", "setup_logging"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in ("client", "strategies"):
+        return importlib.import_module(f"fedfusion.{name}")
+    raise AttributeError(f"module 'fedfusion' has no attribute {name!r}")
 
 
 def setup_logging() -> None:

@@ -84,9 +84,15 @@ def stop_superlink(port: int) -> int:
     return len(roots)
 
 
+#: the simulation federation of an App whose pyproject.toml has no [tool.fedfusion.simulation]
+DEFAULT_SIMULATION = {"num-supernodes": 5, "client-resources-num-cpus": 1,
+                      "client-resources-num-gpus": 0.0}
+
+
 def simulation_defaults(app_dir: Path) -> dict[str, object]:
     pyproject = tomllib.loads((app_dir / "pyproject.toml").read_text())
-    return dict(pyproject["tool"]["fedfusion"]["simulation"])
+    return {**DEFAULT_SIMULATION,
+            **pyproject.get("tool", {}).get("fedfusion", {}).get("simulation", {})}
 
 
 def run_config_value(run_config: str, key: str) -> str | None:

@@ -24,6 +24,8 @@ class FedProx(FedAvg):
     ----------
     prox_mu : float, default 0.01
         mu of the proximal term the clients add (sent in every train config).
+    weighted_by_key : str, default "num-examples"
+        As :class:`FedAvg` (the upload metric each client is weighted by).
     """
 
     name = "fedprox"

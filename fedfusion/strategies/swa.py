@@ -85,6 +85,8 @@ class StatisticalWeightAggregation(FedAvg):
         The Gaussianity distance of each client's layer (uniform = plain average).
     size_weighting : bool, default False
         Multiply each client's layer weights by its example count.
+    weighted_by_key : str, default "num-examples"
+        As :class:`FedAvg` (the upload metric each client is weighted by).
     """
 
     name = "swa"

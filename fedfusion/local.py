@@ -1,0 +1,118 @@
+"""A Flower Grid that runs any ClientApp in this process: a federation without Ray or gRPC.
+
+For tests, notebooks and small experiments with your own ClientApp::
+
+    grid = LocalGrid(client_app, num_nodes=5)
+    strategy = FedBEns(Net, num_clients=5, num_members=3)
+    strategy.start(grid)
+
+Node ``i`` has id ``100 + i`` and node config ``{"partition-id": i, "num-partitions": N}``
+(plus ``node_configs[i]``); each keeps its own ``context.state`` across rounds, as Flower's
+SuperNodes do. Clients run one after another; the round ``timeout`` is honoured as on a real
+grid, where they work in parallel: a client whose own work took longer sends no reply.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+
+def ensure_task_identity() -> None:
+    """Messages need a run identity; inside Flower the SuperLink sets it, here we do
+    (only where nothing has set it yet)."""
+    if TaskIdentity._run_id is None:
+        TaskIdentity.run_id = TaskIdentity.task_id = 1
+        TaskIdentity.node_id = 0
+
+
+class LocalGrid(Grid):
+    """Nodes ``100 + i`` run ``client_app`` in this process.
+
+    Parameters
+    ----------
+    client_app : ClientApp
+        Any Flower ClientApp.
+    num_nodes : int
+        Number of nodes (clients).
+    run_config : mapping, optional
+        ``context.run_config`` of every node.
+    node_configs : mapping, optional
+        Per node index, entries added to its ``context.node_config``.
+    tamper : callable, optional
+        ``tamper(node_index, reply) -> reply``: corrupt a client's reply (fault tests).
+    crash : iterable of int
+        Node indices whose ClientApp raises (as a node that runs out of memory).
+    delay : mapping, optional
+        Per node index, seconds added to its work (a slow node).
+    """
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, *,
+                 run_config: Mapping[str, Any] | None = None,
+                 node_configs: Mapping[int, Mapping[str, Any]] | None = None,
+                 tamper: Callable[[int, Message], Message] | None = None,
+                 crash: Iterable[int] = (), delay: Mapping[int, float] | None = None):
+        ensure_task_identity()
+        self.client_app = client_app
+        self.tamper = tamper
+        self.crash = set(crash)
+        self.delay = dict(delay or {})
+        self.node_ids = [100 + i for i in range(num_nodes)]
+        node_configs = node_configs or {}
+        self.contexts = {
+            node: Context(run_id=1, node_id=node, state=RecordDict(),
+                          run_config=dict(run_config or {}),
+                          node_config={"partition-id": i, "num-partitions": num_nodes,
+                                       **node_configs.get(i, {})})
+            for i, node in enumerate(self.node_ids)}
+        self._ids = itertools.count()
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
+                         ) -> list[Message]:
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            index = self.node_ids.index(node)
+            start = time.perf_counter()
+            try:
+                time.sleep(self.delay.get(index, 0.0))
+                if index in self.crash:
+                    raise MemoryError(f"client {index} ran out of memory")
+                reply = self.client_app(msg, self.contexts[node])
+            except Exception as exc:  # what Flower does with a ClientApp exception
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"),
+                                reply_to=msg)
+            if timeout is not None and time.perf_counter() - start > timeout:
+                continue  # too late: the grid stopped waiting for this node
+            replies.append(self.tamper(index, reply) if self.tamper else reply)
+        return replies
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    # The remaining Grid methods are not used by Strategy.start.
+    def set_run(self, run_id: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def run(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise NotImplementedError
+
+    def get_nodes(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        raise NotImplementedError
