@@ -49,7 +49,7 @@ def tiny_val(spec: ModelSpec, low: list[float], high: list[float], n: int = 64) 
 def test_generator_makes_input_shaped_samples_in_the_data_range(shape):
     spec = ModelSpec("mlp", shape, 3, {"hidden_layers": 1, "hidden": 6})
     low, high = [-0.8, -2.0, 0.5][: shape[0]], [2.0, 1.0, 3.0][: shape[0]]
-    context = dict(model_fn=spec, val=tiny_val(spec, low, high), seed=1)
+    context = dict(model_fn=spec, device="cpu", val=tiny_val(spec, low, high), seed=1)
     dense = Dense(**context, num_clients=2, batch_size=32, latent_dim=8, generator_width=4)
     dense.build([random_upload(spec, 0, 0), random_upload(spec, 1, 1)])
     z, y = dense.sample(torch.Generator().manual_seed(0))
@@ -60,7 +60,8 @@ def test_generator_makes_input_shaped_samples_in_the_data_range(shape):
     assert torch.all(per_channel.max(1).values <= torch.tensor(high))
     assert torch.all(per_channel.std(1) > 0)  # not a constant image
     # without a validation set: the explicit range
-    dense = Dense(spec, seed=1, num_clients=1, batch_size=8, latent_dim=8, data_range=(-1, 1))
+    dense = Dense(spec, seed=1, num_clients=1, batch_size=8, latent_dim=8, data_range=(-1, 1),
+                  device="cpu")
     dense.build([random_upload(spec, 0)])
     x = dense.generator(*dense.sample(torch.Generator().manual_seed(0)))
     assert x.shape == (8, *shape) and x.min() >= -1 and x.max() <= 1
@@ -100,7 +101,7 @@ def test_input_statistics_term_matches_brute_force_and_vanishes_on_standard_data
 @pytest.mark.parametrize("stats_term", ["none", "input", "act"])
 def test_generator_step_leaves_the_networks_and_one_student_step_reduces_the_kl(stats_term):
     uploads = [random_upload(TINY, s, s) for s in range(2)]
-    context = dict(model_fn=TINY, val=tiny_val(TINY, [-1.0], [2.0]), seed=0)
+    context = dict(model_fn=TINY, device="cpu", val=tiny_val(TINY, [-1.0], [2.0]), seed=0)
     dense = Dense(**context, num_clients=2, batch_size=64, latent_dim=8, generator_width=4,
                   stats_term=stats_term, student_init="random")
     dense.build(uploads)
@@ -124,7 +125,7 @@ def test_generator_step_leaves_the_networks_and_one_student_step_reduces_the_kl(
 
 def test_adversarial_term_is_the_masked_mean_kl_and_the_pool_keeps_the_latest_batches():
     uploads = [random_upload(TINY, s, s) for s in range(2)]
-    context = dict(model_fn=TINY, val=tiny_val(TINY, [-1.0], [2.0]), seed=0)
+    context = dict(model_fn=TINY, device="cpu", val=tiny_val(TINY, [-1.0], [2.0]), seed=0)
     for mask in (True, False):
         dense = Dense(**context, num_clients=2, batch_size=64, latent_dim=8, generator_width=4,
                       student_init="random", adv_mask=mask)
@@ -152,7 +153,7 @@ def test_distillation_is_deterministic_given_the_seed():
     uploads = [random_upload(TINY, s, s) for s in range(2)]
     states = []
     for _ in range(2):
-        context = dict(model_fn=TINY, val=tiny_val(TINY, [-1.0], [2.0]), seed=3)
+        context = dict(model_fn=TINY, device="cpu", val=tiny_val(TINY, [-1.0], [2.0]), seed=3)
         dense = Dense(**context, num_clients=2, epochs=4, batch_size=16, latent_dim=8, generator_width=4)
         predictor = dense.fuse_uploads(uploads)
         states.append(predictor.members[0].state_dict())
@@ -188,7 +189,7 @@ def test_one_client_is_distilled_into_a_random_student_that_agrees_on_real_image
             torch.nn.functional.cross_entropy(teacher(x[i:i + 64]), y[i:i + 64]).backward()
             opt.step()
     teacher.eval()
-    context = dict(model_fn=spec, val=bundle.val, seed=0)
+    context = dict(model_fn=spec, device="cpu", val=bundle.val, seed=0)
     dense = Dense(**context, num_clients=1, epochs=400, batch_size=64, latent_dim=32, generator_width=16,
                   g_lr=0.005, s_lr=0.05, adv_weight=5.0, adv_mask=False, pool_batches=50,
                   student_init="random")

@@ -43,7 +43,8 @@ def test_one_client_one_member_optimum_is_the_map(structure):
     the client's MAP: zero gradient there, and the optimiser returns to it from afar."""
     upload = tiny_upload(0, structure, seed=1)
     strategy = FedBEns(TINY, num_clients=1, hessian_structure=structure, temperature=1.0,
-                       prior_var=1.0, steps=800, lr=0.01, eval_every=50, dtype=torch.float64)
+                       prior_var=1.0, steps=800, lr=0.01, eval_every=50, dtype=torch.float64,
+                       device="cpu")
     stacked, owner = strategy.build_posterior([upload])
     map_weights = upload.weights(0)
 

@@ -67,7 +67,8 @@ def dense_minimiser(precisions, means) -> torch.Tensor:
 def test_objective_equals_the_dense_quadratic_form(structure):
     """f(w) = sum_i (w - w_i)^T (H_i + damping I) (w - w_i) / (2 n) at random points."""
     uploads = tiny_clients(structure)
-    strategy = FedFisher(TINY, num_clients=3, hessian_structure=structure, dtype=torch.float64)
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure=structure, dtype=torch.float64,
+                         device="cpu")
     problem = strategy.build_problem(uploads)
     precisions, means, total = dense_problem(uploads, structure, strategy.damping)
     gen = torch.Generator().manual_seed(0)
