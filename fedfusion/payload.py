@@ -44,6 +44,7 @@ Every input is untrusted, and checking it must not cost more than the honest upl
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -270,45 +271,51 @@ def _decode(content: RecordDict, client: str | int,
     _check_header(upload, client)
     shapes = _expected_shapes(upload, param_shapes, client)
     # 1. declared fields only: names, dtypes, shapes, byte sizes (nothing decoded yet)
-    declared: list[dict[str, dict[str, tuple[Array, np.dtype, tuple[int, ...]]]]] = []
+    records: list[dict[str, ArrayRecord]] = []
     total = 0
     for m in range(num_members):
-        member: dict[str, dict[str, tuple[Array, np.dtype, tuple[int, ...]]]] = {}
+        member: dict[str, ArrayRecord] = {}
         for section in sections:
             record = _get_record(content, member_key(m, section), ArrayRecord, client)
             where = f"member {m} section {section!r}"
             if len(record) > MAX_ARRAYS_PER_SECTION:
                 raise UploadError(client, f"{where}: {len(record)} arrays, the cap is "
                                           f"{MAX_ARRAYS_PER_SECTION}")
-            arrays = {}
+            declared_shapes = {}
             for name, array in record.items():
                 try:
-                    dtype, shape = _declared(name, array)
+                    dtype, declared_shapes[name] = _declared(name, array)
                 except ValueError as exc:
                     raise UploadError(client, f"{where}: {exc}") from exc
-                arrays[name] = (array, dtype, shape)
-                total += math.prod(shape) * dtype.itemsize
+                total += math.prod(declared_shapes[name]) * dtype.itemsize
                 if total > max_upload_bytes:
                     raise UploadError(client, _too_large(total, max_upload_bytes))
             if section == WEIGHTS:
                 try:
-                    _check_weight_shapes({n: s for n, (_, _, s) in arrays.items()}, shapes)
+                    _check_weight_shapes(declared_shapes, shapes)
                 except ValueError as exc:
                     raise UploadError(client, f"{where}: {exc}") from exc
-            member[section] = arrays
-        declared.append(member)
-    # 2. decode, each .npy header checked against the declared fields first
-    for m, member in enumerate(declared):
-        decoded: dict[str, NumpyDict] = {}
-        for section, arrays in member.items():
-            decoded[section] = {}
-            for name, (array, dtype, shape) in arrays.items():
+            member[section] = record
+        records.append(member)
+    # 2. every .npy header against its declared fields and its byte count (still no data)
+    layouts: list[dict[str, dict[str, _NpyLayout]]] = []
+    for m, member in enumerate(records):
+        layouts.append({})
+        for section, record in member.items():
+            layouts[m][section] = {}
+            for name, array in record.items():
                 try:
-                    decoded[section][name] = _array_from_wire(name, array, dtype, shape)
-                except Exception as exc:  # malformed bytes: numpy raises many kinds
+                    layouts[m][section][name] = _wire_layout(name, array,
+                                                             *_declared(name, array))
+                except Exception as exc:  # malformed headers: numpy raises many kinds
                     raise UploadError(client, f"member {m} section {section!r}: "
                                               f"{_describe(exc)}") from exc
-        upload.members.append(decoded)
+    # 3. decode
+    for m, member in enumerate(records):
+        upload.members.append({
+            section: {name: _from_buffer(array.data, layouts[m][section][name])
+                      for name, array in record.items()}
+            for section, record in member.items()})
     _check_members(upload, shapes, required_sections, client, max_upload_bytes)
     return upload
 
@@ -506,20 +513,25 @@ def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _array_from_wire(name: str, array: Array, dtype: np.dtype, shape: tuple[int, ...]
-                     ) -> np.ndarray:
-    data = array.data
-    if not isinstance(data, bytes | bytearray):
-        raise ValueError(f"array {name!r} data is a {type(data).__name__}, not bytes")
-    return _read_npy(io.BytesIO(data), len(data), name, declared=(dtype, shape))
+@dataclass(frozen=True)
+class _NpyLayout:
+    """What an ``.npy`` header declares, checked: its data is ``nbytes`` bytes at ``offset``."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _read_npy(stream: IO[bytes], size: int, name: str,
-              declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> np.ndarray:
-    """Decode one ``.npy`` of ``size`` bytes from ``stream``: its header is read first and
-    must be a float array (and agree with ``declared`` (dtype, shape) when given) whose data
-    is exactly the rest of the ``size`` bytes, before one buffer of that size is allocated.
-    Returns a writable, C-ordered array in native byte order."""
+def _npy_layout(stream: IO[bytes], size: int, name: str,
+                declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> _NpyLayout:
+    """Read and check the header of one ``.npy`` of ``size`` bytes (nothing else is read): a
+    float array, agreeing with ``declared`` (dtype, shape) when given, whose data is exactly
+    the rest of the ``size`` bytes."""
     version = np.lib.format.read_magic(stream)
     if version not in ((1, 0), (2, 0)):
         raise ValueError(f"array {name!r}: .npy format version {version} is not supported")
@@ -532,24 +544,47 @@ def _read_npy(stream: IO[bytes], size: int, name: str,
     if dtype.kind != "f" or dtype.type not in _FLOAT_DTYPES:
         raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
                          "float16, float32 or float64 arrays")
-    shape = _checked_shape(name, shape)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if size - stream.tell() != nbytes:
-        raise ValueError(f"array {name!r} holds {size - stream.tell()} data bytes; its shape "
-                         f"{shape} and dtype {dtype.str} need {nbytes}")
-    buffer = bytearray(nbytes)
+    layout = _NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
+    if size - layout.offset != layout.nbytes:
+        raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
+                         f"{layout.shape} and dtype {dtype.str} need {layout.nbytes}")
+    return layout
+
+
+def _wire_layout(name: str, array: Array, dtype: np.dtype, shape: tuple[int, ...]
+                 ) -> _NpyLayout:
+    if not isinstance(array.data, bytes | bytearray):
+        raise ValueError(f"array {name!r} data is a {type(array.data).__name__}, not bytes")
+    return _npy_layout(io.BytesIO(array.data), len(array.data), name, declared=(dtype, shape))
+
+
+def _from_buffer(buffer: bytes | bytearray, layout: _NpyLayout) -> np.ndarray:
+    """The array of a checked layout over ``buffer``: writable, C-ordered, native byte order
+    (one copy, unless ``buffer`` is a bytearray already in that form)."""
+    flat = np.frombuffer(buffer, dtype=layout.dtype, count=math.prod(layout.shape),
+                         offset=layout.offset)
+    array = flat.reshape(layout.shape, order="F" if layout.fortran else "C")
+    if isinstance(buffer, bytearray) and layout.dtype.isnative and not layout.fortran:
+        return array
+    # downstream torch.from_numpy refuses non-native byte order: convert while copying
+    return np.array(array, dtype=layout.dtype.newbyteorder("="), order="C")
+
+
+def _read_npy(stream: IO[bytes], size: int, name: str) -> np.ndarray:
+    """Decode one ``.npy`` of ``size`` bytes from ``stream`` (a zip member): the header is
+    checked first (:func:`_npy_layout`), then exactly its data is read, in bounded chunks
+    (a zip member inflates as it is read), into one buffer of that size."""
+    layout = _npy_layout(stream, size, name)
+    buffer = bytearray(layout.nbytes)
     view, filled = memoryview(buffer), 0
-    while filled < nbytes:  # bounded reads: a zip member inflates chunk by chunk
-        chunk = stream.read(min(nbytes - filled, 1 << 24))
+    while filled < layout.nbytes:
+        chunk = stream.read(min(layout.nbytes - filled, 1 << 24))
         if not chunk:
-            raise ValueError(f"array {name!r} is truncated ({filled} of {nbytes} data bytes)")
+            raise ValueError(f"array {name!r} is truncated ({filled} of {layout.nbytes} data "
+                             "bytes)")
         view[filled:filled + len(chunk)] = chunk
         filled += len(chunk)
-    array = np.frombuffer(buffer, dtype=dtype).reshape(shape, order="F" if fortran else "C")
-    if dtype.isnative and not fortran:
-        return array
-    # downstream torch.from_numpy refuses non-native byte order: convert (one copy)
-    return np.array(array, dtype=dtype.newbyteorder("="), order="C")
+    return _from_buffer(buffer, dataclasses.replace(layout, offset=0))
 
 
 def _check_members(upload: ClientUpload, shapes: ParamShapes, required: tuple[str, ...],
