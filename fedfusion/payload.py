@@ -272,6 +272,7 @@ def _decode(content: RecordDict, client: str | int,
     shapes = _expected_shapes(upload, param_shapes, client)
     # 1. declared fields only: names, dtypes, shapes, byte sizes (nothing decoded yet)
     records: list[dict[str, ArrayRecord]] = []
+    declared: dict[tuple[int, str, str], tuple[np.dtype, tuple[int, ...]]] = {}
     total = 0
     for m in range(num_members):
         member: dict[str, ArrayRecord] = {}
@@ -284,10 +285,11 @@ def _decode(content: RecordDict, client: str | int,
             declared_shapes = {}
             for name, array in record.items():
                 try:
-                    dtype, declared_shapes[name] = _declared(name, array)
+                    dtype, shape = declared[m, section, name] = _declared(name, array)
                 except ValueError as exc:
                     raise UploadError(client, f"{where}: {exc}") from exc
-                total += math.prod(declared_shapes[name]) * dtype.itemsize
+                declared_shapes[name] = shape
+                total += math.prod(shape) * dtype.itemsize
                 if total > max_upload_bytes:
                     raise UploadError(client, _too_large(total, max_upload_bytes))
             if section == WEIGHTS:
@@ -306,7 +308,7 @@ def _decode(content: RecordDict, client: str | int,
             for name, array in record.items():
                 try:
                     layouts[m][section][name] = _wire_layout(name, array,
-                                                             *_declared(name, array))
+                                                             *declared[m, section, name])
                 except Exception as exc:  # malformed headers: numpy raises many kinds
                     raise UploadError(client, f"member {m} section {section!r}: "
                                               f"{_describe(exc)}") from exc
