@@ -197,12 +197,12 @@ class MLP(nn.Module):
             check_int("mlp", "hidden_layers", hidden_layers, 0, MAX_MLP_LAYERS)
             check_int("mlp", "hidden", hidden, 1, MAX_MLP_WIDTH)
             hidden_sizes = [hidden] * hidden_layers
-        else:
-            if not isinstance(hidden_sizes, list | tuple) or len(hidden_sizes) > MAX_MLP_LAYERS:
-                raise ValueError(f"mlp: hidden_sizes must be a list of at most {MAX_MLP_LAYERS} "
-                                 f"widths, got {hidden_sizes!r:.60}")
-            for size in hidden_sizes:
-                check_int("mlp", "every hidden_sizes entry", size, 1, MAX_MLP_WIDTH)
+        elif not isinstance(hidden_sizes, list | tuple) or len(hidden_sizes) > MAX_MLP_LAYERS or (
+                not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_MLP_WIDTH
+                        for w in hidden_sizes)):
+            raise ValueError(f"mlp: hidden_sizes must be a list of ints >= 1 (at most "
+                             f"{MAX_MLP_LAYERS} of them, each <= {MAX_MLP_WIDTH}), got "
+                             f"{hidden_sizes!r:.60}")
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for size in hidden_sizes:

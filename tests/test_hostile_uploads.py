@@ -88,8 +88,10 @@ def kron_upload(client_id: int, weight: float, eigenvalue: float, seed: int = 0
 @pytest.mark.parametrize(("kwargs", "expected"), [
     ({"hidden_layers": 100000}, "hidden_layers must be an int in 0..64, got 100000"),
     ({"hidden": 10**12}, "hidden must be an int in 1..65536, got 1000000000000"),
-    ({"hidden_sizes": [8, 10**12]}, "every hidden_sizes entry must be an int in 1..65536"),
-    ({"hidden_sizes": list(range(1, 200))}, "hidden_sizes must be a list of at most 64"),
+    ({"hidden_sizes": [8, 10**12]}, "hidden_sizes must be a list of ints >= 1 (at most 64 of "
+                                     "them, each <= 65536), got [8, 1000000000000]"),
+    ({"hidden_sizes": list(range(1, 200))}, "hidden_sizes must be a list of ints >= 1 (at most "
+                                            "64 of them"),
     ({"hidden": "wide"}, "hidden must be an int in 1..65536, got 'wide'"),
     ({"bias": 3}, "bias must be true or false, got 3"),
 ])
