@@ -93,7 +93,7 @@ def federation(settings: Settings, folder: Path, fresh: bool) -> tuple[list, flo
     if fresh and folder.exists():
         shutil.rmtree(folder)
     if (uploads_dir / "manifest.json").is_file():
-        _, uploads = load_uploads(uploads_dir)
+        _, uploads, _ = load_uploads(uploads_dir, strict=True)
         return uploads, sum(float(u.metrics["train-time-s"]) for u in uploads)
     bundle = federated_split(settings).bundle
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,

@@ -108,7 +108,7 @@ def summary(results: dict) -> dict:
 
 def section_mb(uploads_dir: str) -> dict[str, float]:
     """Mean upload MB per client and member, per section."""
-    _, uploads = load_uploads(uploads_dir)
+    _, uploads, _ = load_uploads(uploads_dir, strict=True)
     sizes: dict[str, list[float]] = {}
     for upload in uploads:
         for member in upload.members:

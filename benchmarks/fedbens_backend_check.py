@@ -43,7 +43,7 @@ SECTION = "curvature.kron"
 def refit(uploads_dir: Path, backend: str, out: Path) -> float:
     """Write ``out`` = the uploads with every member's Kron curvature refitted by ``backend``;
     return the mean fit seconds per member."""
-    run_config, uploads = load_uploads(uploads_dir)
+    run_config, uploads, _ = load_uploads(uploads_dir, strict=True)
     settings = Settings.from_mapping(run_config).replace(curvature_backend=backend)
     split = federated_split(settings)
     bundle = split.bundle

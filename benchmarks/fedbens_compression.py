@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("uploads")
     args = parser.parse_args()
-    run_config, uploads = load_uploads(args.uploads)
+    run_config, uploads, _ = load_uploads(args.uploads, strict=True)
     out = Path(args.uploads).parent / "compression"
     spec = ModelSpec(run_config["model"] or "lenet", (1, 28, 28), 10)
     shapes = dict(FusionContext(spec).param_shapes(spec.name, spec.kwargs))

@@ -6,6 +6,11 @@ FedBEns / FedFisher reference code, so that every parameter is a weight matrix a
 Kronecker-factored curvature applies to all of them.
 
 Add a model with :func:`register_model`; build one with :func:`build_model`.
+
+Model kwargs may come from a client's upload or a saved file, so every zoo model checks its
+arguments' types and ranges in its constructor, before building a layer (a ValueError naming
+the argument and the allowed range): an absurd size is refused in microseconds instead of
+allocating, or recursing, until the process dies.
 """
 
 from __future__ import annotations
@@ -56,6 +61,46 @@ def _conv_out(size: int, kernel: int, pool: int = 2) -> int:
     return (size - kernel + 1) // pool
 
 
+#: ranges the zoo models accept
+MAX_CLASSES = 100_000
+MAX_CHANNELS = 1024
+MAX_INPUT_SIDE = 4096
+MAX_INPUT_FEATURES = 2**24  # an MLP's flattened input
+MAX_MLP_LAYERS = 64
+MAX_MLP_WIDTH = 65536
+
+
+def check_int(model: str, key: str, value: object, low: int, high: int) -> int:
+    """``value`` if it is an int (not a bool) in ``low..high``, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:60] + "..."
+        raise ValueError(f"{model}: {key} must be an int in {low}..{high}, got {shown}")
+    return value
+
+
+def _check_classes(model: str, num_classes: object) -> None:
+    check_int(model, "num_classes", num_classes, 1, MAX_CLASSES)
+
+
+def _image_input(model: str, input_shape: object) -> tuple[int, int, int]:
+    """``(channels, height, width)``, each in range."""
+    if not isinstance(input_shape, Sequence) or len(input_shape) != 3:
+        raise ValueError(f"{model}: input_shape must be (channels, height, width), got "
+                         f"{input_shape!r:.60}")
+    channels, height, width = input_shape
+    check_int(model, "input channels", channels, 1, MAX_CHANNELS)
+    check_int(model, "input height", height, 1, MAX_INPUT_SIDE)
+    check_int(model, "input width", width, 1, MAX_INPUT_SIDE)
+    return channels, height, width
+
+
+def _conv_side(model: str, input_shape: tuple[int, int, int], side: int, least: int) -> int:
+    if side < 1:
+        raise ValueError(f"{model} needs inputs of at least {least}x{least}, got {input_shape}")
+    return side
+
+
 @register_model("lenet")
 class LeNet(nn.Module):
     """Bias-free LeNet-5: conv5(C->6), pool, conv5(6->16), pool, fc 256->120->84->K.
@@ -65,8 +110,9 @@ class LeNet(nn.Module):
 
     def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10):
         super().__init__()
-        channels, height, _ = input_shape
-        side = _conv_out(_conv_out(height, 5), 5)
+        channels, height, _ = _image_input("lenet", input_shape)
+        _check_classes("lenet", num_classes)
+        side = _conv_side("lenet", input_shape, _conv_out(_conv_out(height, 5), 5), 16)
         self.features = nn.Sequential(
             nn.Conv2d(channels, 6, 5, bias=False),
             nn.ReLU(),
@@ -95,8 +141,9 @@ class CNN(nn.Module):
 
     def __init__(self, input_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10):
         super().__init__()
-        channels, height, _ = input_shape
-        side = _conv_out(_conv_out(height, 5), 5)
+        channels, height, _ = _image_input("cnn", input_shape)
+        _check_classes("cnn", num_classes)
+        side = _conv_side("cnn", input_shape, _conv_out(_conv_out(height, 5), 5), 16)
         self.features = nn.Sequential(
             nn.Conv2d(channels, 32, 5, bias=False),
             nn.ReLU(),
@@ -138,13 +185,24 @@ class MLP(nn.Module):
         hidden_sizes: Sequence[int] | None = None,
     ):
         super().__init__()
+        if not isinstance(input_shape, Sequence) or not 1 <= len(input_shape) <= 4:
+            raise ValueError(f"mlp: input_shape must be 1 to 4 sizes, got {input_shape!r:.60}")
+        for size in input_shape:
+            check_int("mlp", "input size", size, 1, MAX_INPUT_FEATURES)
+        check_int("mlp", "input features", math.prod(input_shape), 1, MAX_INPUT_FEATURES)
+        _check_classes("mlp", num_classes)
+        if not isinstance(bias, bool):
+            raise ValueError(f"mlp: bias must be true or false, got {bias!r:.60}")
         if hidden_sizes is None:
-            if hidden_layers < 0 or hidden < 1:
-                raise ValueError("mlp needs hidden_layers >= 0 and hidden >= 1")
+            check_int("mlp", "hidden_layers", hidden_layers, 0, MAX_MLP_LAYERS)
+            check_int("mlp", "hidden", hidden, 1, MAX_MLP_WIDTH)
             hidden_sizes = [hidden] * hidden_layers
-        elif not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
-                     for w in hidden_sizes):
-            raise ValueError(f"mlp hidden_sizes must be a list of ints >= 1, got {hidden_sizes!r}")
+        elif not isinstance(hidden_sizes, list | tuple) or len(hidden_sizes) > MAX_MLP_LAYERS or (
+                not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_MLP_WIDTH
+                        for w in hidden_sizes)):
+            raise ValueError(f"mlp: hidden_sizes must be a list of ints >= 1 (at most "
+                             f"{MAX_MLP_LAYERS} of them, each <= {MAX_MLP_WIDTH}), got "
+                             f"{hidden_sizes!r:.60}")
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for size in hidden_sizes:
@@ -164,10 +222,10 @@ class ConvNet(nn.Module):
 
     def __init__(self, input_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10):
         super().__init__()
-        channels, height, _ = input_shape
-        side = _conv_out(_conv_out(height, 3), 3, pool=2) - 2
-        if side < 1:
-            raise ValueError(f"convnet needs inputs of at least 18x18, got {input_shape}")
+        channels, height, _ = _image_input("convnet", input_shape)
+        _check_classes("convnet", num_classes)
+        side = _conv_side("convnet", input_shape, _conv_out(_conv_out(height, 3), 3, pool=2) - 2,
+                          18)
         self.features = nn.Sequential(
             nn.Conv2d(channels, 32, 3),
             nn.ReLU(),

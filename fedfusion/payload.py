@@ -20,19 +20,41 @@ register a validator for each with :func:`register_section`. Arrays travel as ``
 bytes (Flower's ``Array``), never pickled.
 
 Decoding (:func:`decode_upload`) and loading from disk (:mod:`fedfusion.upload_store`) both
-end in :func:`validate_upload`: schema version, model, array names, dtypes, shapes and
-finiteness. A bad upload raises :class:`UploadError` naming the client and the problem.
+end in :func:`validate_upload`: schema version, model, array names, dtypes, shapes,
+finiteness and magnitude. A bad upload raises :class:`UploadError` naming the client and the
+problem, and nothing else: whatever goes wrong while decoding or validating ONE client's
+upload (a malformed record, an absurd architecture, a library error) becomes an
+:class:`UploadError`, so the strategy excludes that client and the round goes on.
+
+Every input is untrusted, and checking it must not cost more than the honest upload would:
+
+* cost before validation: :func:`decode_upload` checks the metadata, the declared model
+  (``model-kwargs`` is capped in length and nesting depth before it is parsed), then every
+  array's name, dtype, shape and byte size from the flwr ``Array``'s own fields, the total
+  against ``max_upload_bytes`` (:data:`MAX_UPLOAD_BYTES`), and only then decodes the bytes,
+  after checking that each ``.npy`` header agrees with the declared fields. An upload that
+  declares 10**12 elements is refused without allocating them.
+* numbers: ``num-examples`` is capped (:data:`MAX_NUM_EXAMPLES`) and must equal the sum of
+  ``class-histogram`` when the client sends one; every array value is finite and within the
+  magnitude cap of its section (:data:`MAX_ABS_VALUES`), so finite but absurd values (weights
+  or curvature of 1e20) cannot drive a strategy's objective to inf or NaN.
+* arrays in a non-native byte order (``'>f4'``) are converted to native when decoded;
+  :func:`validate_upload` refuses them in a :class:`ClientUpload` built in memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.constant import SType
 
 SCHEMA = "fedfusion.upload"
 SCHEMA_VERSION = 1
@@ -41,19 +63,107 @@ METRICS_KEY = "fedfusion.metrics"
 WEIGHTS = "weights"
 MAX_MEMBERS = 64
 
+# ---- caps on what one client may send (module-level so that a deployment can change them)
+#: default cap on the bytes of one client's arrays (as declared, checked before decoding);
+#: ``decode_upload(max_upload_bytes=...)`` / ``validate_upload(max_upload_bytes=...)``
+MAX_UPLOAD_BYTES = 2 * 1024**3
+#: ``num-examples`` above this is refused (a weight in FedAvg-style averages)
+MAX_NUM_EXAMPLES = 10**9
+#: ``model-kwargs`` is JSON of at most this many characters and nesting levels, checked
+#: before ``json.loads`` (deep nesting makes the parser recurse until RecursionError)
+MAX_KWARGS_CHARS = 4096
+MAX_KWARGS_DEPTH = 16
+#: model, section, array and metric names
+MAX_NAME_CHARS = 256
+#: arrays in one member's section (a Kron section holds 4 per parameter)
+MAX_ARRAYS_PER_SECTION = 65536
+MAX_NDIM = 32
+#: metrics in ``fedfusion.metrics`` and the length of a list-valued one
+MAX_METRICS = 1024
+MAX_METRIC_LENGTH = 65536
+#: length of an ``.npy`` header (numpy's own default limit for untrusted files)
+MAX_NPY_HEADER_CHARS = 10_000
+#: an exclusion reason is clipped to this many characters (it lands in logs and results.json)
+MAX_REASON_CHARS = 2000
+
+# ---- magnitude caps per section: every value of every array must satisfy |v| <= cap.
+# Measured on honest uploads (bias-free LeNet trained 20 epochs on all 59,800 FMNIST training
+# samples in ONE client, the largest a client here gets; MLP 2x100 likewise, 5 epochs):
+# weights <= 1.5; curvature <= 1.7e4 (diag GGN; Kron factor eigenvalues <= 5.2e3, diag_full
+# block <= 1.6e4), i.e. about 0.3 per sample, as the GGN is a sum over samples; Gram matrices
+# <= 3.8e7 (conv1 of LeNet, summed over samples and 576 positions).
+#: weights: 7000x the largest honest value; bias-free nets far from it diverged anyway
+MAX_ABS_WEIGHT = 1e4
+#: curvature entries (Kron eigenvalues, GGN diagonals and blocks): 0.3 per sample for
+#: MAX_NUM_EXAMPLES samples stays below it. It keeps FedBEns' float32 objective finite: a
+#: Kron eigenvalue is a product of two entries, so the quadratic form is at most
+#: ||w - m||^2 * cap^2 / T <= (2 * MAX_ABS_WEIGHT)^2 * d * 1e18 / T, 4e35 for d = 1e6
+#: parameters and T = 0.01, below float32's 3.4e38.
+MAX_ABS_CURVATURE = 1e9
+#: RegMean Gram matrices: 2.6e7x the largest honest value (they grow with samples x positions)
+MAX_ABS_GRAM = 1e15
+#: any other registered section
+MAX_ABS_DEFAULT = 1e15
+#: section name (or prefix ending in ".") -> cap; :func:`value_cap` looks a section up here
+MAX_ABS_VALUES: dict[str, float] = {
+    "weights": MAX_ABS_WEIGHT,
+    "curvature.": MAX_ABS_CURVATURE,
+    "gram": MAX_ABS_GRAM,
+}
+
 NumpyDict = dict[str, np.ndarray]
 ParamShapes = Mapping[str, tuple[int, ...]]
 SectionValidator = Callable[[Mapping[str, np.ndarray], ParamShapes], None]
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+#: the dtype strings a wire Array may declare (``str(ndarray.dtype)`` and ``dtype.str``, in
+#: either byte order) -> the dtype; anything else is refused without being parsed
+_WIRE_DTYPES: dict[str, np.dtype] = {
+    spelling: dtype
+    for t in _FLOAT_DTYPES
+    for dtype in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))
+    for spelling in (str(dtype), dtype.str)
+}
+#: metrics the server turns into numbers (results.json): finite and >= 0
+_TIMING_METRICS = ("train-time-s", "stats-time-s")
+_TIMING_PREFIX = "time-s/"
+#: what :func:`decode_upload` tells a client that sent a plain Flower reply
+_REPLY_HELPER = "fedfusion.client.reply(msg, models, x, y)"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """``repr(value)`` clipped: client-controlled values appear in reasons, never in full."""
+    return _clip(repr(value), limit)
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    """``['a', 'b']``, or the first ``limit`` names and how many more."""
+    names = [_clip(str(n), 60) for n in names]
+    if len(names) <= limit:
+        return str(names)
+    return f"{str(names[:limit])[:-1]}, ... ({len(names) - limit} more)]"
 
 
 class UploadError(ValueError):
-    """A client upload that cannot be used; ``client`` says whose, the message says why."""
+    """A client upload that cannot be used; ``client`` says whose, the message says why
+    (clipped to :data:`MAX_REASON_CHARS`)."""
 
     def __init__(self, client: str | int, problem: str):
-        self.client = str(client)
-        self.problem = problem
-        super().__init__(f"client {client}: {problem}")
+        self.client = _clip(str(client), 100)
+        self.problem = _clip(str(problem), MAX_REASON_CHARS)
+        super().__init__(f"client {self.client}: {self.problem}")
+
+
+def value_cap(section: str) -> float:
+    """The magnitude cap on ``section``'s values: its entry in :data:`MAX_ABS_VALUES`, else
+    the longest prefix entry (``"curvature."``) it starts with, else :data:`MAX_ABS_DEFAULT`."""
+    if section in MAX_ABS_VALUES:
+        return MAX_ABS_VALUES[section]
+    prefixes = [p for p in MAX_ABS_VALUES if p.endswith(".") and section.startswith(p)]
+    return MAX_ABS_VALUES[max(prefixes, key=len)] if prefixes else MAX_ABS_DEFAULT
 
 
 @dataclass
@@ -126,9 +236,30 @@ def decode_upload(
     client: str | int,
     param_shapes: Callable[[str, dict[str, object]], ParamShapes],
     required_sections: Iterable[str] = (WEIGHTS,),
+    max_upload_bytes: int = MAX_UPLOAD_BYTES,
 ) -> ClientUpload:
     """Decode and validate a train reply. ``param_shapes(model, kwargs)`` gives the
-    expected parameter shapes of the client's declared model (it raises for unknown ones)."""
+    expected parameter shapes of the client's declared model (it may raise anything for an
+    unknown or absurd one).
+
+    Everything declared is checked before any array is decoded (see the module docstring);
+    the arrays of one client may declare at most ``max_upload_bytes`` bytes in all. Any
+    problem raises :class:`UploadError` naming ``client``; no other exception escapes."""
+    try:
+        return _decode(content, client, param_shapes, tuple(required_sections),
+                       max_upload_bytes)
+    except UploadError:
+        raise
+    except Exception as exc:  # the last net: one client's upload never crashes the server
+        raise UploadError(client, f"malformed upload: {_describe(exc)}") from exc
+
+
+def _decode(content: RecordDict, client: str | int,
+            param_shapes: Callable[[str, dict[str, object]], ParamShapes],
+            required_sections: tuple[str, ...], max_upload_bytes: int) -> ClientUpload:
+    if not isinstance(content, RecordDict):
+        raise UploadError(client, f"reply content is a {type(content).__name__}, "
+                                  f"not a RecordDict; build the reply with {_REPLY_HELPER}")
     meta = _get_record(content, META_KEY, ConfigRecord, client)
     metrics = _get_record(content, METRICS_KEY, MetricRecord, client)
     _check_schema(meta, client)
@@ -136,30 +267,67 @@ def decode_upload(
     if not 1 <= num_members <= MAX_MEMBERS:
         raise UploadError(client, f"num-members is {num_members}, expected 1..{MAX_MEMBERS}")
     sections = _meta_value(meta, "sections", list, client)
-    members: list[dict[str, NumpyDict]] = []
-    for m in range(num_members):
-        member: dict[str, NumpyDict] = {}
-        for section in sections:
-            record = _get_record(content, member_key(m, section), ArrayRecord, client)
-            try:
-                member[section] = {name: arr.numpy() for name, arr in record.items()}
-            except Exception as exc:  # malformed bytes: np.load raises many kinds
-                raise UploadError(client, f"member {m} section {section!r}: {exc}") from exc
-        members.append(member)
-    try:
-        model_kwargs = json.loads(_meta_value(meta, "model-kwargs", str, client))
-    except json.JSONDecodeError as exc:
-        raise UploadError(client, f"model-kwargs is not JSON: {exc}") from exc
-    num_examples = metrics.get("num-examples")
+    _check_section_names(sections, client)
+    _check_required(sections, required_sections, "the upload", client)
     upload = ClientUpload(
         client_id=_meta_value(meta, "client-id", int, client),
         model=_meta_value(meta, "model", str, client),
-        model_kwargs=model_kwargs,
-        num_examples=num_examples if isinstance(num_examples, int) else -1,
-        members=members,
+        model_kwargs=_parse_model_kwargs(_meta_value(meta, "model-kwargs", str, client), client),
+        num_examples=metrics.get("num-examples"),  # type: ignore[arg-type]  # checked below
+        members=[],
         metrics={k: v for k, v in metrics.items() if k != "num-examples"},
     )
-    validate_upload(upload, param_shapes, required_sections, client=client)
+    _check_header(upload, client)
+    shapes = _expected_shapes(upload, param_shapes, client)
+    # 1. declared fields only: names, dtypes, shapes, byte sizes (nothing decoded yet)
+    records: list[dict[str, ArrayRecord]] = []
+    declared: dict[tuple[int, str, str], tuple[np.dtype, tuple[int, ...]]] = {}
+    total = 0
+    for m in range(num_members):
+        member: dict[str, ArrayRecord] = {}
+        for section in sections:
+            record = _get_record(content, member_key(m, section), ArrayRecord, client)
+            where = f"member {m} section {section!r}"
+            if len(record) > MAX_ARRAYS_PER_SECTION:
+                raise UploadError(client, f"{where}: {len(record)} arrays, the cap is "
+                                          f"{MAX_ARRAYS_PER_SECTION}")
+            declared_shapes = {}
+            for name, array in record.items():
+                try:
+                    dtype, shape = declared[m, section, name] = _declared(name, array)
+                except ValueError as exc:
+                    raise UploadError(client, f"{where}: {exc}") from exc
+                declared_shapes[name] = shape
+                total += math.prod(shape) * dtype.itemsize
+                if total > max_upload_bytes:
+                    raise UploadError(client, _too_large(total, max_upload_bytes))
+            if section == WEIGHTS:
+                try:
+                    _check_weight_shapes(declared_shapes, shapes)
+                except ValueError as exc:
+                    raise UploadError(client, f"{where}: {exc}") from exc
+            member[section] = record
+        records.append(member)
+    # 2. every .npy header against its declared fields and its byte count (still no data)
+    layouts: list[dict[str, dict[str, _NpyLayout]]] = []
+    for m, member in enumerate(records):
+        layouts.append({})
+        for section, record in member.items():
+            layouts[m][section] = {}
+            for name, array in record.items():
+                try:
+                    layouts[m][section][name] = _wire_layout(name, array,
+                                                             *declared[m, section, name])
+                except Exception as exc:  # malformed headers: numpy raises many kinds
+                    raise UploadError(client, f"member {m} section {section!r}: "
+                                              f"{_describe(exc)}") from exc
+    # 3. decode
+    for m, member in enumerate(records):
+        upload.members.append({
+            section: {name: _from_buffer(array.data, layouts[m][section][name])
+                      for name, array in record.items()}
+            for section, record in member.items()})
+    _check_members(upload, shapes, required_sections, client, max_upload_bytes)
     return upload
 
 
@@ -168,37 +336,343 @@ def validate_upload(
     param_shapes: Callable[[str, dict[str, object]], ParamShapes],
     required_sections: Iterable[str] = (WEIGHTS,),
     client: str | int | None = None,
+    *,
+    max_upload_bytes: int = MAX_UPLOAD_BYTES,
 ) -> None:
-    """Check everything a strategy relies on; raise :class:`UploadError` on the first problem."""
-    who = upload.client_id if client is None else client
-    if upload.num_examples < 1:
-        raise UploadError(who, f"num-examples must be a positive int, got {upload.num_examples}")
+    """Check everything a strategy relies on; raise :class:`UploadError` on the first problem
+    (and no other exception): field types, counts, ``num-examples`` against the class
+    histogram, the model, every array's type, dtype, byte order, finiteness and magnitude
+    (:func:`value_cap`), the total bytes, and each section's registered validator."""
+    who = getattr(upload, "client_id", "?") if client is None else client
+    try:
+        if not isinstance(upload, ClientUpload):
+            raise UploadError(who, f"expected a ClientUpload, got {type(upload).__name__}")
+        _check_header(upload, who)
+        shapes = _expected_shapes(upload, param_shapes, who)
+        _check_members(upload, shapes, tuple(required_sections), who, max_upload_bytes)
+    except UploadError:
+        raise
+    except Exception as exc:  # the last net, as in decode_upload
+        raise UploadError(who, f"malformed upload: {_describe(exc)}") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a reason: ValueError/TypeError messages as they are, others typed."""
+    if type(exc) in (ValueError, TypeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _too_large(total: int, cap: int) -> str:
+    return (f"the arrays declare more than {cap} bytes (at least {total}), above the cap "
+            "on one client's upload (max_upload_bytes); refused before decoding")
+
+
+def _check_header(upload: ClientUpload, who: str | int) -> None:
+    """Everything but the arrays: ids, model name and kwargs, counts, metrics."""
+    client_id = upload.client_id
+    if isinstance(client_id, bool) or not isinstance(client_id, int) or not (
+            0 <= client_id < 2**31):
+        raise UploadError(who, f"client-id must be an int in 0..2**31-1, got {_brief(client_id)}")
+    if not isinstance(upload.model, str) or not 0 < len(upload.model) <= MAX_NAME_CHARS:
+        raise UploadError(who, f"model must be a name of 1..{MAX_NAME_CHARS} characters, got "
+                               f"{_brief(upload.model)}")
     if not isinstance(upload.model_kwargs, dict):
         raise UploadError(who, "model-kwargs must be a JSON object")
     try:
-        shapes = param_shapes(upload.model, upload.model_kwargs)
-    except (ValueError, TypeError) as exc:
-        raise UploadError(who, f"model {upload.model!r} cannot be built: {exc}") from exc
-    if not upload.members:
-        raise UploadError(who, "upload has no members")
-    for m, member in enumerate(upload.members):
-        missing = [s for s in required_sections if s not in member]
-        if missing:
-            raise UploadError(who, f"member {m} lacks section(s) {missing} this strategy needs")
+        text = json.dumps(upload.model_kwargs, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UploadError(who, f"model-kwargs is not plain JSON: {_describe(exc)}") from exc
+    _check_kwargs_text(text, who)
+    num_examples = upload.num_examples
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or not (
+            1 <= num_examples <= MAX_NUM_EXAMPLES):
+        raise UploadError(who, f"num-examples must be a positive int <= {MAX_NUM_EXAMPLES}, "
+                               f"got {_brief(num_examples)}")
+    _check_metrics(upload.metrics, num_examples, who)
+
+
+def _check_metrics(metrics: object, num_examples: int, who: str | int) -> None:
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
+        raise UploadError(who, f"metrics must be a mapping of at most {MAX_METRICS} entries")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or len(key) > MAX_NAME_CHARS:
+            raise UploadError(who, f"metric name {_brief(key)} is not a short string")
+        items = value if isinstance(value, list) else [value]
+        if len(items) > MAX_METRIC_LENGTH or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in items):
+            raise UploadError(who, f"metric {key!r} must be a number or a list of at most "
+                                   f"{MAX_METRIC_LENGTH} numbers, got {_brief(value)}")
+        if key in _TIMING_METRICS or key.startswith(_TIMING_PREFIX) or (
+                key == "contrastive-members"):
+            if isinstance(value, list) or value < 0 or (
+                    isinstance(value, float) and not math.isfinite(value)):
+                raise UploadError(who, f"metric {key!r} must be a finite number >= 0, got "
+                                       f"{_brief(value)}")
+    histogram = metrics.get("class-histogram")
+    if histogram is not None:
+        if not isinstance(histogram, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in histogram):
+            raise UploadError(who, "metric 'class-histogram' must be a list of ints >= 0, got "
+                                   f"{_brief(histogram)}")
+        if sum(histogram) != num_examples:
+            raise UploadError(who, f"num-examples is {num_examples} but the class histogram "
+                                   f"sums to {sum(histogram)}")
+
+
+def _check_kwargs_text(text: str, who: str | int) -> None:
+    if len(text) > MAX_KWARGS_CHARS:
+        raise UploadError(who, f"model-kwargs is {len(text)} characters of JSON, the cap is "
+                               f"{MAX_KWARGS_CHARS}")
+    depth = _json_depth(text)
+    if depth > MAX_KWARGS_DEPTH:
+        raise UploadError(who, f"model-kwargs nests {depth} levels deep, the cap is "
+                               f"{MAX_KWARGS_DEPTH}")
+
+
+def _json_depth(text: str) -> int:
+    """Deepest ``[``/``{`` nesting of a JSON text, brackets inside strings not counted: a
+    linear scan, so that no parser recursion runs on hostile input."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _parse_model_kwargs(text: str, client: str | int) -> dict[str, Any]:
+    """``model-kwargs`` JSON, length and depth capped BEFORE parsing; NaN/Infinity refused."""
+    _check_kwargs_text(text, client)
+    try:
+        kwargs = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise UploadError(client, f"model-kwargs is not JSON: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise UploadError(client, "model-kwargs must be a JSON object")
+    return kwargs
+
+
+def _expected_shapes(upload: ClientUpload,
+                     param_shapes: Callable[[str, dict[str, object]], ParamShapes],
+                     who: str | int) -> ParamShapes:
+    """``param_shapes`` of the declared model; ANY exception it raises (an unknown model, a
+    kwarg out of range, a RecursionError or MemoryError of an absurd one) is the client's."""
+    try:
+        return param_shapes(upload.model, upload.model_kwargs)
+    except Exception as exc:
+        raise UploadError(who, f"model {_brief(upload.model)} cannot be built with model-kwargs "
+                               f"{_brief(upload.model_kwargs)}: {_describe(exc)}") from exc
+
+
+def _check_section_names(sections: Sequence[object], who: str | int) -> None:
+    if len(sections) > len(_SECTION_VALIDATORS) or len(set(map(str, sections))) != len(
+            sections):
+        raise UploadError(who, f"sections must be distinct known sections, got "
+                               f"{_brief(sections)}")
+    for section in sections:
+        if not isinstance(section, str) or section not in _SECTION_VALIDATORS:
+            raise UploadError(who, f"unknown section {_brief(section)} "
+                                   f"(known: {known_sections()})")
+
+
+def _check_required(sections: Iterable[str], required: Iterable[str], whose: str,
+                    who: str | int) -> None:
+    missing = [s for s in required if s not in sections]
+    if missing:
+        raise UploadError(who, f"{whose} lacks section(s) {missing} this strategy needs")
+
+
+def _declared(name: object, array: object) -> tuple[np.dtype, tuple[int, ...]]:
+    """Dtype and shape of a wire array from its declared fields only (nothing decoded)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"array name {_brief(name)} is not a string of at most "
+                         f"{MAX_NAME_CHARS} characters")
+    if not isinstance(array, Array):
+        raise ValueError(f"array {name!r} is a {type(array).__name__}, not a flwr Array")
+    if array.stype != SType.NUMPY:
+        raise ValueError(f"array {name!r} has serialisation {_brief(array.stype)}, expected "
+                         f"{SType.NUMPY!r}")
+    dtype = _WIRE_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
+    if dtype is None:
+        raise ValueError(f"array {name!r} has dtype {_clip(str(array.dtype), 40)}; uploads "
+                         "hold float16, float32 or float64 arrays")
+    return dtype, _checked_shape(name, array.shape)
+
+
+def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
+    if not isinstance(shape, tuple | list) or len(shape) > MAX_NDIM or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
+        raise ValueError(f"array {name!r} has shape {_brief(shape)}, not a tuple of at most "
+                         f"{MAX_NDIM} sizes >= 0")
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class _NpyLayout:
+    """What an ``.npy`` header declares, checked: its data is ``nbytes`` bytes at ``offset``."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _npy_layout(stream: IO[bytes], size: int, name: str,
+                declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> _NpyLayout:
+    """Read and check the header of one ``.npy`` of ``size`` bytes (nothing else is read): a
+    float array, agreeing with ``declared`` (dtype, shape) when given, whose data is exactly
+    the rest of the ``size`` bytes."""
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"array {name!r}: .npy format version {version} is not supported")
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read_header(stream, max_header_size=MAX_NPY_HEADER_CHARS)
+    if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
+        raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
+                         f"its declared fields {declared[0].str} {declared[1]}")
+    if dtype.kind != "f" or dtype.type not in _FLOAT_DTYPES:
+        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
+                         "float16, float32 or float64 arrays")
+    layout = _NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
+    if size - layout.offset != layout.nbytes:
+        raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
+                         f"{layout.shape} and dtype {dtype.str} need {layout.nbytes}")
+    return layout
+
+
+def _wire_layout(name: str, array: Array, dtype: np.dtype, shape: tuple[int, ...]
+                 ) -> _NpyLayout:
+    if not isinstance(array.data, bytes | bytearray):
+        raise ValueError(f"array {name!r} data is a {type(array.data).__name__}, not bytes")
+    return _npy_layout(io.BytesIO(array.data), len(array.data), name, declared=(dtype, shape))
+
+
+def _from_buffer(buffer: bytes | bytearray, layout: _NpyLayout) -> np.ndarray:
+    """The array of a checked layout over ``buffer``: writable, C-ordered, native byte order
+    (one copy, unless ``buffer`` is a bytearray already in that form)."""
+    flat = np.frombuffer(buffer, dtype=layout.dtype, count=math.prod(layout.shape),
+                         offset=layout.offset)
+    array = flat.reshape(layout.shape, order="F" if layout.fortran else "C")
+    if isinstance(buffer, bytearray) and layout.dtype.isnative and not layout.fortran:
+        return array
+    # downstream torch.from_numpy refuses non-native byte order: convert while copying
+    return np.array(array, dtype=layout.dtype.newbyteorder("="), order="C")
+
+
+def _read_npy(stream: IO[bytes], size: int, name: str) -> np.ndarray:
+    """Decode one ``.npy`` of ``size`` bytes from ``stream`` (a zip member): the header is
+    checked first (:func:`_npy_layout`), then exactly its data is read, in bounded chunks
+    (a zip member inflates as it is read), into one buffer of that size."""
+    layout = _npy_layout(stream, size, name)
+    buffer = bytearray(layout.nbytes)
+    view, filled = memoryview(buffer), 0
+    while filled < layout.nbytes:
+        chunk = stream.read(min(layout.nbytes - filled, 1 << 24))
+        if not chunk:
+            raise ValueError(f"array {name!r} is truncated ({filled} of {layout.nbytes} data "
+                             "bytes)")
+        view[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return _from_buffer(buffer, dataclasses.replace(layout, offset=0))
+
+
+def _check_members(upload: ClientUpload, shapes: ParamShapes, required: tuple[str, ...],
+                   who: str | int, max_upload_bytes: int) -> None:
+    """Members, sections and arrays: cheap structural checks of everything first, then the
+    values (finite, within :func:`value_cap`) and each section's validator."""
+    members = upload.members
+    if not isinstance(members, list) or not members:
+        raise UploadError(who, "upload has no members" if isinstance(members, list) else
+                          f"members must be a list, got {type(members).__name__}")
+    if len(members) > MAX_MEMBERS:
+        raise UploadError(who, f"upload has {len(members)} members, expected 1..{MAX_MEMBERS}")
+    total = 0
+    for m, member in enumerate(members):
+        if not isinstance(member, dict):
+            raise UploadError(who, f"member {m} is a {type(member).__name__}, not a dict of "
+                                   "sections")
+        if m > 0 and sorted(map(str, member)) != sorted(map(str, members[0])):
+            raise UploadError(who, f"member {m} has sections {_names(sorted(map(str, member)))}"
+                                   f", member 0 has {_names(sorted(map(str, members[0])))}")
+        _check_section_names(list(member), who)
+        _check_required(member, required, f"member {m}", who)
         for section, arrays in member.items():
             where = f"member {m} section {section!r}"
+            if not isinstance(arrays, dict) or len(arrays) > MAX_ARRAYS_PER_SECTION:
+                raise UploadError(who, f"{where}: must be a dict of at most "
+                                       f"{MAX_ARRAYS_PER_SECTION} named arrays")
             for name, array in arrays.items():
-                if array.dtype.type not in _FLOAT_DTYPES:
-                    raise UploadError(who, f"{where}: array {name!r} has dtype {array.dtype}")
-                if not np.all(np.isfinite(array)):
-                    raise UploadError(who, f"{where}: array {name!r} has NaN or Inf values")
-            validator = _SECTION_VALIDATORS.get(section)
-            if validator is None:
-                raise UploadError(who, f"{where}: unknown section (known: {known_sections()})")
+                try:
+                    total += _check_array(name, array)
+                except ValueError as exc:
+                    raise UploadError(who, f"{where}: {exc}") from exc
+                if total > max_upload_bytes:
+                    raise UploadError(who, _too_large(total, max_upload_bytes))
+    for m, member in enumerate(members):
+        for section, arrays in member.items():
+            where = f"member {m} section {section!r}"
+            cap = value_cap(section)
             try:
-                validator(arrays, shapes)
-            except ValueError as exc:
-                raise UploadError(who, f"{where}: {exc}") from exc
+                for name, array in arrays.items():
+                    _check_values(name, array, section, cap)
+                _SECTION_VALIDATORS[section](arrays, shapes)
+            except Exception as exc:  # validators may raise anything on hostile arrays
+                raise UploadError(who, f"{where}: {_describe(exc)}") from exc
+
+
+def _check_array(name: object, array: object) -> int:
+    """Type, dtype and byte order of an in-memory array; returns its byte size."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"array name {_brief(name)} is not a string of at most "
+                         f"{MAX_NAME_CHARS} characters")
+    if not isinstance(array, np.ndarray):
+        kind = type(array)
+        label = f"{kind.__module__}.{kind.__name__}" if kind.__module__.startswith("torch") else (
+            kind.__name__)
+        raise ValueError(f"array {name!r} is a {label}; uploads hold numpy arrays "
+                         "(fedfusion.client.make_upload converts trained models)")
+    if array.dtype.type not in _FLOAT_DTYPES:
+        raise ValueError(f"array {name!r} has dtype {array.dtype}; uploads hold float16, "
+                         "float32 or float64 arrays")
+    if not array.dtype.isnative:
+        raise ValueError(f"array {name!r} has non-native byte order ({array.dtype.str}); "
+                         "convert it with array.astype(array.dtype.newbyteorder('='))")
+    return array.nbytes
+
+
+def _check_values(name: str, array: np.ndarray, section: str, cap: float) -> None:
+    """Finite and ``|v| <= cap``, from the min and max (no temporary of the array's size)."""
+    if array.size == 0:
+        return
+    low, high = float(array.min()), float(array.max())
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"array {name!r} has NaN or Inf values")
+    peak = max(-low, high)
+    if peak > cap:
+        raise ValueError(f"array {name!r} has values up to {peak:.3g} in magnitude, above "
+                         f"the cap {cap:.3g} on section {section!r}")
 
 
 def check_array_names(arrays: Mapping[str, object], expected: Iterable[str],
@@ -206,20 +680,25 @@ def check_array_names(arrays: Mapping[str, object], expected: Iterable[str],
     """Raise ValueError naming the arrays that are missing from, or not expected in, ``arrays``."""
     expected = set(expected)
     missing = sorted(expected - set(arrays))
-    extra = sorted(set(arrays) - expected)
+    extra = sorted(map(str, set(arrays) - expected))
     if missing:
-        raise ValueError(f"{missing_label} {missing}")
+        raise ValueError(f"{missing_label} {_names(missing)}")
     if extra:
-        raise ValueError(f"unexpected array(s) {extra}{extra_hint}")
+        raise ValueError(f"unexpected array(s) {_names(extra)}{extra_hint}")
+
+
+def _check_weight_shapes(actual: Mapping[str, tuple[int, ...]], shapes: ParamShapes) -> None:
+    """The weights' names and shapes are exactly the model's (``actual``: name -> shape)."""
+    check_array_names(actual, shapes)
+    for name, shape in shapes.items():
+        if tuple(actual[name]) != tuple(shape):
+            raise ValueError(
+                f"array {name!r} has shape {tuple(actual[name])}, expected {tuple(shape)}"
+            )
 
 
 def _validate_weights(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
-    check_array_names(arrays, shapes)
-    for name, shape in shapes.items():
-        if tuple(arrays[name].shape) != tuple(shape):
-            raise ValueError(
-                f"array {name!r} has shape {tuple(arrays[name].shape)}, expected {tuple(shape)}"
-            )
+    _check_weight_shapes({name: array.shape for name, array in arrays.items()}, shapes)
 
 
 _SECTION_VALIDATORS: dict[str, SectionValidator] = {WEIGHTS: _validate_weights}
@@ -260,6 +739,11 @@ def decode_models(record: ArrayRecord) -> list[NumpyDict]:
 
 def _get_record(content: RecordDict, key: str, kind: type, client: str | int):  # noqa: ANN202
     if key not in content:
+        if key == META_KEY:  # the usual mistake: a plain Flower reply
+            raise UploadError(
+                client, f"record {META_KEY!r} is missing: this reply is not a fedfusion upload "
+                f"(it holds records {_names(sorted(content.keys()))}); build the reply with "
+                f"{_REPLY_HELPER}")
         raise UploadError(client, f"record {key!r} is missing")
     record = content[key]
     if not isinstance(record, kind):
@@ -271,16 +755,17 @@ def _get_record(content: RecordDict, key: str, kind: type, client: str | int):  
 
 def _check_schema(meta: ConfigRecord, client: str | int) -> None:
     if meta.get("schema") != SCHEMA:
-        raise UploadError(client, f"schema is {meta.get('schema')!r}, expected {SCHEMA!r}")
+        raise UploadError(client, f"schema is {_brief(meta.get('schema'))}, expected {SCHEMA!r}")
     version = meta.get("schema-version")
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION or isinstance(version, bool):
         raise UploadError(
-            client, f"schema-version {version!r} is not supported (this server: {SCHEMA_VERSION})"
+            client, f"schema-version {_brief(version)} is not supported (this server: "
+            f"{SCHEMA_VERSION})"
         )
 
 
 def _meta_value(meta: ConfigRecord, key: str, kind: type, client: str | int):  # noqa: ANN202
     value = meta.get(key)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise UploadError(client, f"meta {key!r} must be {kind.__name__}, got {value!r}")
+        raise UploadError(client, f"meta {key!r} must be {kind.__name__}, got {_brief(value)}")
     return value

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.models import check_int
 
 
 class Ensemble(nn.Module):
@@ -104,12 +105,84 @@ def save_predictor(predictor: nn.Module, path: str | Path) -> Path:
     return path
 
 
+#: members a saved predictor may hold
+MAX_PREDICTOR_MEMBERS = 100_000
+
+
 def load_predictor(path: str | Path, device: str | torch.device = "cpu",
                    model_fn: ModelFn | None = None) -> nn.Module:
     """Load a saved predictor for inference: ``load_predictor(p)(x)`` gives log-probabilities.
-    A predictor of a user's ``model_fn`` (not the zoo) needs that ``model_fn`` back."""
-    payload = torch.load(Path(path), map_location=device, weights_only=True)
+    A predictor of a user's ``model_fn`` (not the zoo) needs that ``model_fn`` back.
+
+    The file is untrusted: it is unpickled with ``weights_only=True`` (tensors and plain
+    containers only), and its kind, spec fields and state tensors are checked before any
+    model is built (each spec is first built on the meta device, which allocates nothing, and
+    its parameter names and shapes compared with the saved tensors'), so a bad file raises a
+    ValueError naming the field instead of allocating what the spec claims."""
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # not a torch file, truncated, or holding code objects
+        raise ValueError(f"{path}: not a saved fedfusion predictor ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    _check_payload(path, payload, model_fn)
+    return PREDICTOR_KINDS[payload["kind"]].from_payload(payload, model_fn).to(device).eval()
+
+
+def _check_payload(path: Path, payload: object, model_fn: ModelFn | None = None) -> None:
+    """Raise ValueError naming the first field of a predictor payload that is wrong."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: holds a {type(payload).__name__}, not a predictor payload")
     kind = payload.get("kind")
-    if kind not in PREDICTOR_KINDS:
-        raise ValueError(f"{path}: unknown predictor kind {kind!r}")
-    return PREDICTOR_KINDS[kind].from_payload(payload, model_fn).to(device).eval()
+    if not isinstance(kind, str) or kind not in PREDICTOR_KINDS:
+        raise ValueError(f"{path}: unknown predictor kind {kind!r:.60}; known: "
+                         f"{', '.join(PREDICTOR_KINDS)}")
+    specs, states = payload.get("specs"), payload.get("states")
+    if not isinstance(specs, list) or not 1 <= len(specs) <= MAX_PREDICTOR_MEMBERS:
+        raise ValueError(f"{path}: 'specs' must be a list of 1..{MAX_PREDICTOR_MEMBERS} model "
+                         "specs")
+    if not isinstance(states, list) or len(states) != len(specs):
+        raise ValueError(f"{path}: 'states' must be a list with one state per spec "
+                         f"({len(specs)})")
+    for i, (spec, state) in enumerate(zip(specs, states, strict=True)):
+        _check_member(path, i, spec, state, model_fn)
+    if kind == MaxLogitSelector.kind:
+        check_int(f"{path}", "top_k", payload.get("top_k"), 0, MAX_PREDICTOR_MEMBERS)
+
+
+def _check_member(path: Path, i: int, spec: object, state: object,
+                  model_fn: ModelFn | None = None) -> None:
+    where = f"{path}: specs[{i}]"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where} must be a dict, got {type(spec).__name__}")
+    fields = {"name": str, "input_shape": list, "num_classes": int, "kwargs": dict}
+    for key, kind in fields.items():
+        value = spec.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{where}.{key} must be {kind.__name__}, got {value!r:.60}")
+    for size in spec["input_shape"]:
+        check_int(where, "every input_shape entry", size, 1, 2**24)
+    if not all(isinstance(k, str) for k in spec["kwargs"]):
+        raise ValueError(f"{where}.kwargs must have string keys")
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated, whatever the spec says
+            expected = {k: tuple(v.shape) for k, v in ModelSpec.from_dict(spec, model_fn).build()
+                        .state_dict().items()}
+    except Exception as exc:
+        raise ValueError(f"{where}: model {spec['name']!r:.60} cannot be built: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ValueError(f"{path}: states[{i}] must be a dict of tensors")
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(map(str, set(state) - set(expected)))
+    if missing or extra:
+        raise ValueError(f"{path}: states[{i}] does not match specs[{i}]'s model: missing "
+                         f"{missing[:8]}, unexpected {extra[:8]}")
+    for name, shape in expected.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+            raise ValueError(f"{path}: states[{i}][{name!r}] is {tensor.dtype} "
+                             f"{tuple(tensor.shape)}, the model needs a float tensor {shape}")

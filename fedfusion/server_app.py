@@ -59,18 +59,22 @@ def output_folder(settings: Settings) -> Path:
     return folder
 
 
-def replay_settings(settings: Settings) -> tuple[Settings, list[ClientUpload]]:
-    """Adopt the data/model settings the cached uploads were produced under."""
-    produced_under, uploads = load_uploads(settings.replay)
+def replay_settings(settings: Settings
+                    ) -> tuple[Settings, list[ClientUpload], list[tuple[str, str]]]:
+    """Adopt the data/model settings the cached uploads were produced under; also return
+    the (client, reason) of every cached client that failed to load."""
+    produced_under, uploads, failures = load_uploads(settings.replay)
     changes = {}
     for key in DATA_KEYS:
         if key in produced_under and produced_under[key] != settings.to_mapping()[key]:
             log.warning("replay: using %s=%r from the upload folder (run config had %r)", key,
                         produced_under[key], settings.to_mapping()[key])
-            changes[key.replace("-", "_")] = produced_under[key]
+            changes[key] = produced_under[key]
     keep = settings.parsed_replay_clients()
     if keep is not None:
-        missing = sorted(set(keep) - {u.client_id for u in uploads})
+        failures = [f for f in failures if not f[0].isdigit() or int(f[0]) in keep]
+        missing = sorted(set(keep) - {u.client_id for u in uploads}
+                         - {int(c) for c, _ in failures if c.isdigit()})
         if missing:
             raise ValueError(f"replay-clients names clients {missing} absent from the uploads")
         uploads = [u for u in uploads if u.client_id in keep]
@@ -79,7 +83,8 @@ def replay_settings(settings: Settings) -> tuple[Settings, list[ClientUpload]]:
         for upload in uploads:
             upload.members = upload.members[: settings.replay_members]
         log.info("replay: keeping each client's first %d member(s)", settings.replay_members)
-    return settings.replace(**changes), uploads
+    # from_mapping, not replace: the manifest's values are type-checked by key
+    return Settings.from_mapping({**settings.to_mapping(), **changes}), uploads, failures
 
 
 def print_histogram(split: FederatedSplit) -> None:
@@ -97,13 +102,14 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
     setup_logging()
     wall_start = time.perf_counter()
     uploads: list[ClientUpload] | None = None
+    failures: list[tuple[str, str]] = []
     if settings.replay:
-        settings, uploads = replay_settings(settings)
+        settings, uploads, failures = replay_settings(settings)
     folder = output_folder(settings)
     results: dict[str, Any] = {"status": "running", "settings": settings.to_mapping(),
                                "output_dir": str(folder)}
     try:
-        _run(settings, grid, uploads, folder, results)
+        _run(settings, grid, uploads, folder, results, failures)
         results["status"] = "ok"
     except Exception as exc:
         results.update(status="failed", error=f"{type(exc).__name__}: {exc}",
@@ -118,7 +124,8 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
 
 
 def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | None,
-         folder: Path, results: dict[str, Any]) -> None:
+         folder: Path, results: dict[str, Any], failures: Sequence[tuple[str, str]] = ()
+         ) -> None:
     split = federated_split(settings)
     bundle = split.bundle
     print_histogram(split)
@@ -154,6 +161,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
 
     if uploads is not None:
         results["replay_of"] = str(Path(settings.replay).resolve())
+        for client, reason in failures:  # cached clients that did not load
+            strategy._exclude(1, client, reason)
         strategy.fuse_uploads(uploads)
         evaluate_predictor(1)
     else:

@@ -8,20 +8,60 @@ Layout of an upload folder::
 
 Loading returns :class:`~fedfusion.payload.ClientUpload` objects that go through the
 same validation as live uploads when a strategy fuses them.
+
+A folder may come from elsewhere, so loading trusts nothing in it. The manifest is checked
+as a schema (every field's type, named on error). A client whose entry or file is bad is
+left out, named with the reason, and the other clients load (:func:`load_uploads` returns
+these failures): an entry field of the wrong type, a file path outside the folder (absolute,
+``..``, or a symlink that leads out), a missing, truncated or foreign npz, an npz that does
+not match its entry (members), more than ``max_upload_bytes`` declared in the zip headers
+(refused before anything is inflated), an array whose ``.npy`` header does not match its
+size. Only a problem of the whole folder raises :class:`UploadStoreError`.
 """
 
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 
-from fedfusion.payload import SCHEMA, SCHEMA_VERSION, ClientUpload
+from fedfusion.payload import (
+    MAX_MEMBERS,
+    MAX_UPLOAD_BYTES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    ClientUpload,
+    _brief,
+    _describe,
+    _read_npy,
+)
 
 MANIFEST = "manifest.json"
+#: a manifest larger than this is refused unread (honest ones are a few KB per client)
+MAX_MANIFEST_BYTES = 64 * 1024**2
+MAX_CLIENTS = 100_000
+#: bytes an npz may hold beyond its arrays' declared sizes (zip and .npy headers)
+NPZ_OVERHEAD_BYTES = 16 * 1024**2
+#: a client entry's fields and their JSON types
+ENTRY_FIELDS: dict[str, type] = {
+    "client_id": int, "file": str, "model": str, "model_kwargs": dict, "num_examples": int,
+    "num_members": int, "metrics": dict,
+}
+#: zip compressions np.savez / np.savez_compressed write; the others (bzip2, lzma) inflate
+#: a whole read at once, unbounded
+_ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+
+#: (client, reason) of a client left out of a replay
+Failure = tuple[str, str]
+
+
+class UploadStoreError(ValueError):
+    """The upload folder as a whole cannot be replayed (no manifest, not JSON, wrong schema,
+    or, with ``strict=True``, any bad client)."""
 
 
 def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
@@ -48,29 +88,153 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
     return directory
 
 
-def load_uploads(directory: str | Path) -> tuple[dict[str, Any], list[ClientUpload]]:
-    """Return (run_config that produced them, uploads). Raises ValueError on a bad folder."""
-    directory = Path(directory)
-    path = directory / MANIFEST
+def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES, *,
+                 strict: bool = False
+                 ) -> tuple[dict[str, Any], list[ClientUpload], list[Failure]]:
+    """Return (run_config that produced them, the uploads that load, the failures).
+
+    ``failures`` lists ``(client, reason)`` for every client left out (``client`` is its
+    ``client_id``, or ``"entry <i>"`` when the entry has no usable id). A folder-level
+    problem raises :class:`UploadStoreError`; so does any failure when ``strict`` (for
+    tools that must see every client)."""
+    root = Path(directory)
+    manifest = _read_manifest(root)
+    uploads: list[ClientUpload] = []
+    failures: list[Failure] = []
+    seen: set[int] = set()
+    for index, entry in enumerate(manifest["clients"]):
+        try:
+            upload = _load_client(root, index, entry, max_upload_bytes)
+            if upload.client_id in seen:
+                raise ValueError(f"clients[{index}]: client_id {upload.client_id} appears twice")
+        except Exception as exc:  # whatever one client's files raise leaves that client out
+            client, reason = _label(index, entry), _describe(exc)
+            if strict:
+                raise UploadStoreError(f"{root}: client {client}: {reason}") from exc
+            failures.append((client, reason))
+            continue
+        seen.add(upload.client_id)
+        uploads.append(upload)
+    return manifest["run_config"], uploads, failures
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {directory} an upload folder "
-                                "written by a run with save-uploads=true?")
-    manifest = json.loads(path.read_text())
-    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema {manifest.get('schema')!r} version "
-                         f"{manifest.get('schema_version')!r} is not {SCHEMA!r} v{SCHEMA_VERSION}")
-    uploads = []
-    for entry in manifest["clients"]:
-        members: list[dict[str, dict[str, np.ndarray]]] = [
-            {} for _ in range(int(entry["num_members"]))
-        ]
-        with np.load(directory / entry["file"], allow_pickle=False) as arrays:
-            for key in arrays.files:
-                member, section, name = key.split("/", 2)
-                members[int(member[1:])].setdefault(section, {})[name] = arrays[key]
-        uploads.append(ClientUpload(
-            client_id=int(entry["client_id"]), model=entry["model"],
-            model_kwargs=entry["model_kwargs"], num_examples=int(entry["num_examples"]),
-            members=members, metrics=entry["metrics"],
-        ))
-    return manifest["run_config"], uploads
+        raise UploadStoreError(f"{path} not found: is {root} an upload folder written by a run "
+                               "with save-uploads=true?")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise UploadStoreError(f"{path} is {size} bytes, above the cap {MAX_MANIFEST_BYTES}")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
+        raise UploadStoreError(f"{path} is not JSON: {_describe(exc)}") from exc
+    if not isinstance(manifest, dict):
+        raise UploadStoreError(f"{path} must hold a JSON object, got {type(manifest).__name__}")
+    version = manifest.get("schema_version")
+    if manifest.get("schema") != SCHEMA or version != SCHEMA_VERSION or isinstance(version,
+                                                                                   bool):
+        raise UploadStoreError(f"{path}: schema {_brief(manifest.get('schema'))} version "
+                               f"{_brief(version)} is not {SCHEMA!r} v{SCHEMA_VERSION}")
+    run_config, clients = manifest.get("run_config"), manifest.get("clients")
+    if not isinstance(run_config, dict) or not all(isinstance(k, str) for k in run_config):
+        raise UploadStoreError(f"{path}: field 'run_config' must be a JSON object, got "
+                               f"{type(run_config).__name__}")
+    if not isinstance(clients, list) or len(clients) > MAX_CLIENTS:
+        raise UploadStoreError(f"{path}: field 'clients' must be a list of at most "
+                               f"{MAX_CLIENTS} entries, got {type(clients).__name__}")
+    return manifest
+
+
+def _label(index: int, entry: object) -> str:
+    client_id = entry.get("client_id") if isinstance(entry, dict) else None
+    if isinstance(client_id, int) and not isinstance(client_id, bool):
+        return str(client_id)
+    return f"entry {index}"
+
+
+def _load_client(root: Path, index: int, entry: object, max_upload_bytes: int) -> ClientUpload:
+    where = f"clients[{index}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(entry).__name__}")
+    for name, kind in ENTRY_FIELDS.items():
+        if name not in entry:
+            raise ValueError(f"{where}.{name} is missing")
+        value = entry[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}.{name} must be {kind.__name__}, got {_brief(value)}")
+    unknown = sorted(map(str, set(entry) - set(ENTRY_FIELDS)))
+    if unknown:
+        raise ValueError(f"{where} has unknown field(s) {_brief(unknown)}")
+    num_members = entry["num_members"]
+    if not 1 <= num_members <= MAX_MEMBERS:
+        raise ValueError(f"{where}.num_members is {num_members}, expected 1..{MAX_MEMBERS}")
+    path = _inside(root, entry["file"], where)
+    members = _read_npz(path, entry["file"], num_members, max_upload_bytes)
+    return ClientUpload(
+        client_id=entry["client_id"], model=entry["model"], model_kwargs=entry["model_kwargs"],
+        num_examples=entry["num_examples"], members=members, metrics=entry["metrics"],
+    )
+
+
+def _inside(root: Path, file: str, where: str) -> Path:
+    """``root / file``, refused unless it is a regular file inside ``root`` (no absolute path,
+    no ``..``, no symlink leading out)."""
+    relative = PurePath(file)
+    if not file or relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"{where}.file {_brief(file)} is not a path inside the upload folder")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise ValueError(f"{where}.file {_brief(file)} leads outside the upload folder "
+                         "(a symlink?)")
+    if not path.is_file():
+        raise ValueError(f"{where}.file {_brief(file)} is not a file in the upload folder")
+    return path
+
+
+def _read_npz(path: Path, file: str, num_members: int, max_upload_bytes: int
+              ) -> list[dict[str, dict[str, np.ndarray]]]:
+    """The members of one client's npz; sizes checked from the file and the zip headers
+    before anything is inflated, and every array's ``.npy`` header before it is read."""
+    size = path.stat().st_size
+    if size > max_upload_bytes + NPZ_OVERHEAD_BYTES:
+        raise ValueError(f"{file} is {size} bytes, above the cap on one client's upload "
+                         f"({max_upload_bytes} bytes, max_upload_bytes)")
+    members: list[dict[str, dict[str, np.ndarray]]] = [{} for _ in range(num_members)]
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        declared = sum(info.file_size for info in infos)
+        if declared > max_upload_bytes:
+            raise ValueError(f"{file} declares {declared} uncompressed bytes in its zip "
+                             f"headers, above the cap on one client's upload "
+                             f"({max_upload_bytes} bytes, max_upload_bytes); not inflated")
+        for info in infos:
+            m, section, name = _array_key(info.filename, file, num_members)
+            if info.compress_type not in _ZIP_COMPRESSIONS:
+                raise ValueError(f"{file}: {_brief(info.filename)} uses zip compression "
+                                 f"{info.compress_type}; np.savez writes stored or deflated")
+            if name in members[m].get(section, {}):
+                raise ValueError(f"{file}: array {_brief(info.filename)} appears twice")
+            with archive.open(info) as stream:
+                array = _read_npy(stream, info.file_size, f"{file}:{info.filename}")
+            members[m].setdefault(section, {})[name] = array
+    empty = [m for m, member in enumerate(members) if not member]
+    if empty:
+        raise ValueError(f"the manifest says {num_members} member(s) but {file} holds no "
+                         f"arrays for member(s) {_brief(empty)}")
+    return members
+
+
+def _array_key(filename: str, file: str, num_members: int) -> tuple[int, str, str]:
+    """``"m<member>/<section>/<name>.npy"`` -> (member, section, name)."""
+    parts = filename.removesuffix(".npy").split("/", 2)
+    if not filename.endswith(".npy") or len(parts) != 3 or not all(parts) or not (
+            parts[0][:1] == "m" and parts[0][1:].isdigit() and parts[0][1:].isascii()):
+        raise ValueError(f"{file}: entry {_brief(filename)} is not 'm<member>/<section>/"
+                         "<name>.npy'")
+    member = int(parts[0][1:])
+    if member >= num_members:
+        raise ValueError(f"{file} holds member {member} but the manifest says {num_members} "
+                         "member(s)")
+    return member, parts[1], parts[2]

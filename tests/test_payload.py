@@ -30,7 +30,7 @@ def make_upload(client_id: int = 3, members: int = 2, seed: int = 0) -> ClientUp
         client_id=client_id, model="lenet", model_kwargs={}, num_examples=1234,
         members=[{"weights": {k: rng.standard_normal(s).astype(np.float32)
                               for k, s in shapes.items()}} for _ in range(members)],
-        metrics={"train-time-s": 1.5, "class-histogram": [1, 2, 3]},
+        metrics={"train-time-s": 1.5, "class-histogram": [1000, 200, 34]},  # sums to 1234
     )
 
 
@@ -52,7 +52,8 @@ def test_round_trip_through_flower_wire_format_is_bit_exact():
 
 def test_round_trip_through_disk_is_bit_exact(tmp_path):
     uploads = [make_upload(0, seed=0), make_upload(1, members=1, seed=1)]
-    run_config, loaded = load_uploads(save_uploads(tmp_path, uploads, {"alpha": 0.1}))
+    run_config, loaded, failures = load_uploads(save_uploads(tmp_path, uploads, {"alpha": 0.1}))
+    assert failures == []
     assert run_config == {"alpha": 0.1}
     for a, b in zip(uploads, loaded, strict=True):
         assert_same(a, b)

@@ -51,10 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         replay(args.upload_dir, args.strategy, args.run_config)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"fedfusion.app.replay: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # a bad folder or run config ends in one line, not a traceback
+        print(f"fedfusion.app.replay: {one_line(exc)}", file=sys.stderr)
+        # 2: the input is at fault (config, folder, no valid upload); 1: anything else
+        expected = isinstance(exc, ConfigError | OSError | ValueError | RuntimeError)
+        return 2 if expected else 1
     return 0
+
+
+def one_line(exc: BaseException, limit: int = 2000) -> str:
+    """``exc`` as one line: its message's lines joined, clipped, typed unless a ValueError
+    (whose messages here always say what is wrong)."""
+    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if not isinstance(exc, ValueError):
+        text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 if __name__ == "__main__":

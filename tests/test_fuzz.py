@@ -1,0 +1,366 @@
+"""Property-based fuzzing of everything that reads a client's upload (hypothesis).
+
+Attackers do not send one bad field; they send whatever they like. Here hypothesis mutates
+valid uploads (meta values, metrics, records, array dtypes, shapes, serialisations and
+bytes), builds RecordDicts and ClientUploads from scratch, and mutates cached upload folders
+(manifest values at any path, npz bytes, files). The properties:
+
+* :func:`decode_upload` / :func:`validate_upload` raise :class:`UploadError` naming the client,
+  or return an upload that passes validation again and builds the model (nothing else);
+* :func:`load_uploads` raises :class:`UploadStoreError`, or returns uploads and
+  ``(client, reason)`` failures, and every returned upload validates or is refused with an
+  :class:`UploadError`.
+
+Deterministic (``derandomize``) and modest (the whole file runs in well under a minute on
+two cores).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
+
+from fedfusion.payload import (
+    META_KEY,
+    METRICS_KEY,
+    ClientUpload,
+    UploadError,
+    decode_upload,
+    encode_upload,
+    member_key,
+    validate_upload,
+)
+from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
+
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+CLIENT = "node 9"
+META_FIELDS = ["schema", "schema-version", "client-id", "model", "model-kwargs",
+               "num-members", "sections"]
+METRIC_FIELDS = ["num-examples", "class-histogram", "train-time-s", "time-s/weights",
+                 "contrastive-members"]
+RECORD_KEYS = [META_KEY, METRICS_KEY, member_key(0, "weights"),
+               member_key(0, "curvature.kron"), member_key(1, "weights"), "arrays"]
+PARAMS = ["net.1.weight", "net.3.weight", "net.1.weight/eigvals_out",
+          "net.3.weight/eigvecs_in"]
+
+
+def honest() -> ClientUpload:
+    upload = kron_upload(0, weight=0.5, eigenvalue=1.0)
+    upload.metrics = {"class-histogram": [5, 3, 2], "train-time-s": 1.0}
+    return upload
+
+
+# ------------------------------------------------------------------ value strategies
+ints = st.one_of(st.integers(-3, 70), st.integers(-2**63, 2**63 - 1),
+                 st.sampled_from([10**9, 10**12, 2**31]))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                   st.sampled_from([1e20, -1e30, 1e-300, 0.5]))
+short_text = st.text(max_size=12)
+kwargs_text = st.one_of(
+    short_text,
+    st.sampled_from(['{}', '{"hidden_layers": 1, "hidden": 6}', '{"hidden_layers": 100000}',
+                     '{"hidden": 1e400}', '{"hidden": NaN}', '[' * 3000, '{"a": ' * 30,
+                     '{"hidden_sizes": [1000000000000]}', '"str"', 'null']))
+#: what a ConfigRecord may hold (homogeneous lists)
+config_values = st.one_of(
+    ints, floats, short_text, st.binary(max_size=16), st.booleans(), kwargs_text,
+    st.lists(st.integers(-5, 5), max_size=4), st.lists(short_text, max_size=4),
+    st.lists(st.sampled_from(["weights", "curvature.kron", "gram", "curvature.diag", "x"]),
+             max_size=5))
+#: what a MetricRecord may hold
+metric_values = st.one_of(
+    ints, floats, st.lists(st.integers(-10, 10**6), max_size=12),
+    st.lists(st.floats(allow_nan=True), max_size=4))
+dtypes = st.one_of(st.sampled_from(
+    ["float32", "<f4", ">f4", "float16", ">f2", "float64", ">f8", "int64", "object", "|O",
+     "<U3", "V8", "(2,)f4", "complex64", "bool"]), short_text)
+shapes = st.one_of(st.lists(st.integers(-3, 10**13), max_size=5).map(tuple),
+                   st.sampled_from([(6, 16), (3, 6), (16, 6), (), (0,), (6, 16, 1)]))
+
+
+@st.composite
+def ndarrays(draw: st.DrawFn) -> np.ndarray:
+    dtype = draw(st.sampled_from(["<f4", ">f4", "<f2", "<f8", ">f8", "<i8", "|b1"]))
+    shape = tuple(draw(st.lists(st.integers(0, 7), max_size=3)))
+    values = draw(st.sampled_from([0.0, 1.0, -2.5, np.nan, np.inf, 1e20]))
+    return np.full(shape, values).astype(dtype)
+
+
+@st.composite
+def new_bytes(draw: st.DrawFn, data: bytes) -> bytes:
+    """A mutation of one Array's ``.npy`` bytes."""
+    kind = draw(st.sampled_from(["truncate", "flip", "random", "header", "append"]))
+    if kind == "truncate":
+        return data[: draw(st.integers(0, len(data)))]
+    if kind == "flip" and data:
+        i = draw(st.integers(0, len(data) - 1))
+        return data[:i] + bytes([data[i] ^ draw(st.integers(1, 255))]) + data[i + 1:]
+    if kind == "random":
+        return draw(st.binary(max_size=300))
+    if kind == "header":
+        shape = tuple(draw(st.lists(st.integers(0, 10**12), max_size=3)))
+        descr = draw(st.sampled_from(["<f4", ">f4", "<i8", "|O", "<U2", "<f2"]))
+        return npy_header(shape, descr) + data[128:]
+    return data + draw(st.binary(min_size=1, max_size=64))
+
+
+def records(draw: st.DrawFn) -> object:
+    kind = draw(st.sampled_from(["config", "metric", "array", "empty-array"]))
+    if kind == "config":
+        return ConfigRecord(draw(st.dictionaries(
+            st.one_of(st.sampled_from(META_FIELDS), short_text), config_values, max_size=8)))
+    if kind == "metric":
+        return MetricRecord(draw(st.dictionaries(
+            st.one_of(st.sampled_from(METRIC_FIELDS), short_text), metric_values, max_size=5)))
+    if kind == "array":
+        return ArrayRecord({name: Array(array) for name, array in draw(st.dictionaries(
+            st.one_of(st.sampled_from(PARAMS), short_text), ndarrays(), max_size=4)).items()})
+    return ArrayRecord()
+
+
+# ------------------------------------------------------------------ mutations of a live upload
+def mutate(draw: st.DrawFn, content: RecordDict) -> None:
+    """One hostile edit of ``content``, chosen by hypothesis."""
+    kind = draw(st.sampled_from(["meta", "metric", "drop", "record", "array-field",
+                                 "array-bytes", "new-array", "values"]))
+    keys = sorted(content.keys())
+    if kind == "meta" and META_KEY in content and isinstance(content[META_KEY], ConfigRecord):
+        meta = dict(content[META_KEY])
+        meta[draw(st.one_of(st.sampled_from(META_FIELDS), short_text))] = draw(config_values)
+        content[META_KEY] = ConfigRecord(meta)
+    elif kind == "metric" and isinstance(content.get(METRICS_KEY), MetricRecord):
+        metrics = dict(content[METRICS_KEY])
+        metrics[draw(st.one_of(st.sampled_from(METRIC_FIELDS), short_text))] = draw(
+            metric_values)
+        content[METRICS_KEY] = MetricRecord(metrics)
+    elif kind == "drop" and keys:
+        del content[draw(st.sampled_from(keys))]
+    elif kind == "record":
+        content[draw(st.one_of(st.sampled_from(RECORD_KEYS), short_text))] = records(draw)
+    else:
+        arrays = [k for k in keys if isinstance(content[k], ArrayRecord)]
+        if not arrays:
+            return
+        record = content[draw(st.sampled_from(arrays))]
+        names = sorted(record.keys())
+        if kind == "new-array" or not names:
+            record[draw(st.one_of(st.sampled_from(PARAMS), short_text))] = Array(draw(ndarrays()))
+            return
+        name = draw(st.sampled_from(names))
+        array = record[name]
+        if kind == "array-field":
+            field = draw(st.sampled_from(["dtype", "shape", "stype"]))
+            value = {"dtype": dtypes, "shape": shapes,
+                     "stype": st.one_of(st.just("numpy.ndarray"), short_text)}[field]
+            setattr(array, field, draw(value))
+        elif kind == "array-bytes":
+            array.data = draw(new_bytes(array.data))
+        else:  # values: not finite, finite but huge, or breaking a curvature's structure
+            try:
+                values = array.numpy().copy()
+                if values.size:
+                    values.flat[draw(st.integers(0, values.size - 1))] = draw(
+                        st.sampled_from([np.nan, np.inf, 1e20, -1e30, 6e4, -3.0, 0.9]))
+            except Exception:  # an earlier edit broke these bytes, or they are not floats
+                return
+            record[name] = Array(values)
+
+
+def check_decode(content: RecordDict) -> None:
+    try:
+        upload = decode_upload(content, CLIENT, TINY_CONTEXT.param_shapes, KRON)
+    except UploadError as exc:
+        assert exc.client == CLIENT and exc.problem
+        return
+    # accepted: usable downstream, exactly as validated
+    validate_upload(upload, TINY_CONTEXT.param_shapes, KRON)
+    for member in upload.members:
+        TINY.build(member["weights"])
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_uploads_decode_or_raise_upload_error(data):
+    content = encode_upload(honest())
+    for _ in range(data.draw(st.integers(1, 4))):
+        mutate(data.draw, content)
+    check_decode(content)
+
+
+@FUZZ
+@given(st.data())
+def test_random_record_dicts_decode_or_raise_upload_error(data):
+    content = RecordDict()
+    for key in data.draw(st.lists(st.one_of(st.sampled_from(RECORD_KEYS), short_text),
+                                  max_size=5, unique=True)):
+        content[key] = records(data.draw)
+    check_decode(content)
+
+
+python_values = st.one_of(
+    st.none(), ints, floats, short_text, st.binary(max_size=8), st.lists(ints, max_size=3),
+    st.dictionaries(short_text, ints, max_size=3), st.builds(torch.zeros, st.integers(0, 3)),
+    ndarrays())
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_client_uploads_validate_or_raise_upload_error(data):
+    upload = honest()
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = data.draw(st.sampled_from(["client_id", "model", "model_kwargs",
+                                            "num_examples", "metrics", "members", "member",
+                                            "array"]))
+        members = upload.members
+        member = members[0] if isinstance(members, list) and members else None
+        if target == "member" and isinstance(member, dict):
+            member[data.draw(short_text)] = data.draw(python_values)
+        elif target == "array" and isinstance(member, dict):
+            section = member.get("weights")
+            if isinstance(section, dict):
+                section[data.draw(st.sampled_from(PARAMS))] = data.draw(python_values)
+        elif target not in ("member", "array"):
+            setattr(upload, target, data.draw(python_values))
+    try:
+        validate_upload(upload, TINY_CONTEXT.param_shapes, KRON, client=CLIENT)
+    except UploadError as exc:
+        assert exc.client == CLIENT
+        return
+    TINY.build(upload.weights(0))
+
+
+# ------------------------------------------------------------------ cached upload folders
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), short_text,
+              st.sampled_from(["../client_0.npz", "/etc/passwd", "client_1.npz", "", 65])),
+    lambda children: st.one_of(st.lists(children, max_size=3),
+                               st.dictionaries(short_text, children, max_size=3)),
+    max_leaves=6)
+
+
+def _paths(value: object, prefix: tuple = ()) -> list[tuple]:
+    """Every path (of keys / indices) into a JSON value."""
+    out = [prefix]
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+        value, list) else ()
+    for key, child in items:
+        out += _paths(child, (*prefix, key))
+    return out
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` as a new regular file at ``path``: never through a symlink or into a
+    directory the fuzzer put there (a symlink may point outside the folder)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    path.write_bytes(data)
+
+
+def mutate_folder(draw: st.DrawFn, folder: Path) -> None:
+    """One hostile edit of an upload folder. Whatever it creates (symlinks included) stays
+    inside the temporary directory holding ``folder``; nothing outside it is written."""
+    kind = draw(st.sampled_from(["manifest-value", "manifest-delete", "manifest-text",
+                                 "npz-bytes", "npz-entry", "file"]))
+    manifest_path = folder / "manifest.json"
+    if kind.startswith("manifest") and kind != "manifest-text":
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except ValueError:  # an earlier edit broke it already
+            return
+        if len(_paths(manifest)) < 2:
+            return
+        path = draw(st.sampled_from(_paths(manifest)[1:]))
+        parent = manifest
+        for key in path[:-1]:
+            parent = parent[key]
+        if kind == "manifest-value":
+            parent[path[-1]] = draw(json_values)
+        else:
+            del parent[path[-1]]
+        _replace(manifest_path, json.dumps(manifest).encode())
+    elif kind == "manifest-text":
+        text = manifest_path.read_text()
+        _replace(manifest_path, draw(st.one_of(
+            st.just(text[: draw(st.integers(0, len(text)))]), short_text)).encode())
+    elif kind == "npz-bytes":
+        npz = folder / draw(st.sampled_from(["client_0.npz", "client_1.npz"]))
+        data = npz.read_bytes() if npz.is_file() and not npz.is_symlink() else b""
+        _replace(npz, draw(new_bytes(data)))
+    elif kind == "npz-entry":
+        npz = folder / "client_1.npz"
+        if npz.is_symlink() or not npz.is_file():
+            return
+        name = draw(st.one_of(st.sampled_from(
+            ["m0/weights/net.1.weight.npy", "m1/weights/net.1.weight.npy", "m0/weights.npy",
+             "m00/weights/x.npy", "m0/weights/net.1.weight", "../m0/x/y.npy"]),
+            st.text(min_size=1, max_size=12)))
+        buffer = io.BytesIO()
+        np.save(buffer, draw(ndarrays()))
+        entry = draw(st.one_of(st.just(buffer.getvalue()), new_bytes(buffer.getvalue())))
+        try:
+            with zipfile.ZipFile(npz, "a") as archive, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Duplicate name": wanted here
+                archive.writestr(name, entry)
+        except zipfile.BadZipFile:  # an earlier edit broke it already
+            return
+    else:
+        npz = folder / "client_0.npz"
+        _replace(npz, b"")
+        npz.unlink()
+        if draw(st.booleans()):
+            npz.mkdir()
+        else:  # targets: outside the folder (in the temporary directory), inside, nowhere
+            npz.symlink_to(draw(st.sampled_from(["../outside.npz", "client_1.npz", "nowhere"])))
+
+
+@settings(FUZZ, max_examples=100)
+@given(st.data())
+def test_mutated_upload_folders_load_or_raise_the_documented_error(data):
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_uploads(Path(tmp) / "uploads", [honest(), kron_upload(1, 0.5, 2.0, seed=1)],
+                              {"alpha": 0.1})
+        (Path(tmp) / "outside.npz").write_bytes((folder / "client_1.npz").read_bytes())
+        for _ in range(data.draw(st.integers(1, 3))):
+            mutate_folder(data.draw, folder)
+        try:
+            run_config, uploads, failures = load_uploads(folder)
+        except UploadStoreError:
+            return
+        assert isinstance(run_config, dict)
+        assert all(isinstance(c, str) and isinstance(r, str) and r for c, r in failures)
+        for upload in uploads:
+            try:
+                validate_upload(upload, TINY_CONTEXT.param_shapes, KRON)
+            except UploadError:
+                continue
+            TINY.build(upload.weights(0))
+
+
+def test_the_fuzzed_honest_upload_is_valid():
+    """The seed of every mutation is accepted: refusals come from the mutations."""
+    check_decode(encode_upload(honest()))
+    upload = decode_upload(encode_upload(honest()), CLIENT, TINY_CONTEXT.param_shapes, KRON)
+    assert upload.num_examples == 10 and upload.sections == ["curvature.kron", "weights"]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_uploads(Path(tmp), [honest()], {})
+        assert len(load_uploads(folder)[1]) == 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
