@@ -39,7 +39,8 @@ from fedfusion.payload import (
 )
 from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.server_app import run_server
-from fedfusion.strategies import FedBEns, FusionContext
+from fedfusion.strategies import FedBEns
+from fedfusion.strategies.base import FusionContext
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def test_fedbens_objective_stays_finite_at_the_caps(eigenvalue, finite):
     1e20, the value the caps refuse, it is NaN."""
     uploads = [kron_upload(0, MAX_ABS_WEIGHT, eigenvalue), kron_upload(1, -MAX_ABS_WEIGHT,
                                                                        eigenvalue, seed=1)]
-    strategy = FedBEns(TINY_CONTEXT, 2, temperature=0.01, prior_var=0.1)
+    strategy = FedBEns(TINY, num_clients=2, temperature=0.01, prior_var=0.1, device="cpu")
     stacked, owner = strategy.build_posterior(uploads)
     for point in [uploads[0].weights(0), *strategy.starting_points(uploads)]:
         w = {k: torch.tensor(v)[None] for k, v in point.items()}
