@@ -132,3 +132,46 @@ def test_a_failing_optional_section_does_not_exclude_the_client(small_settings):
     settings = small_settings.replace(extra_sections="no-such-section", run_name="opt")
     results = run_server(settings, InProcessGrid(settings))
     assert len(results["clients"]) == 3 and not results["excluded"]
+
+
+def test_non_finite_results_are_errors_and_results_json_stays_strict():
+    """A fused predictor that outputs NaN is an error, not a result; results.json never holds
+    a bare NaN (not JSON)."""
+    import json
+    import math
+
+    import torch
+
+    from fedfusion.server_app import strict_json
+
+    class NaNFedAvg(FedAvg):
+        name = "nan-fedavg"
+
+        def fuse(self, uploads):
+            predictor = super().fuse(uploads)
+            for p in predictor.parameters():
+                p.data.fill_(float("nan"))
+            return predictor
+
+    val = (torch.randn(16, 1, 28, 28), torch.arange(16) % 10)
+    strategy = NaNFedAvg(SPEC, val=val, device="cpu")
+    with pytest.raises(FloatingPointError, match="NaN/Inf on the validation inputs"):
+        strategy.fuse_uploads([make_upload(0, members=1), make_upload(1, members=1)])
+    data = strict_json({"a": math.nan, "b": np.float32(1.5), "c": [np.inf, 2], "d": (1,)})
+    assert data == {"a": None, "b": 1.5, "c": [None, 2], "d": [1]}
+    json.dumps(data, allow_nan=False)
+
+
+def test_server_optimiser_refuses_a_non_finite_objective():
+    import torch
+
+    from fedfusion.strategies.base import FusionContext
+    from fedfusion.strategies.server_optim import ServerOptimiser
+
+    def objective(w):  # run 1 diverged (as extreme curvature makes the log-density do)
+        value = sum(v.sum(dim=tuple(range(1, v.dim()))) for v in w.values())
+        return value * torch.tensor([1.0, float("inf")])
+
+    starts = [make_upload(0, members=1).weights(0), make_upload(1, members=1).weights(0)]
+    with pytest.raises(FloatingPointError, match=r"not finite at step 0 in run\(s\) \[1\]"):
+        ServerOptimiser(steps=3).maximise(objective, starts, FusionContext(SPEC))

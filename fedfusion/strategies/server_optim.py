@@ -61,6 +61,11 @@ class ServerOptimiser:
         for step in range(self.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             value = objective(w)
+            if not torch.isfinite(value).all():
+                bad = [r for r in range(runs) if not torch.isfinite(value[r])]
+                raise FloatingPointError(
+                    f"[{self.label}] the objective is not finite at step {step} in run(s) {bad}: "
+                    "an upload with extreme weights or curvature, or a step size that diverges")
             if step % self.eval_every == 0 or step == self.steps:
                 scores = self.score(net, w, value.detach(), context)
                 for r, score in enumerate(scores):
