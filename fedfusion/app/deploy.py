@@ -5,9 +5,9 @@ The script starts a real ``flower-superlink`` and N ``flower-supernode`` process
 its commands are the ones a user types on real machines (see docs/deploy.md). This module
 gives it, as ``python -m fedfusion.app.deploy <command>``:
 
-``tls DIR``
-    a throw-away CA and a server certificate for 127.0.0.1/localhost (``ca.pem``,
-    ``server.pem``, ``server.key``);
+``tls DIR [--host H]... [--days D]``
+    a new CA and a server certificate it signs for H... (default 127.0.0.1 and localhost):
+    ``ca.pem``, ``server.pem``, ``server.key``;
 ``node-key DIR NAME...``
     SuperNode authentication key pairs: EC P-384 in OpenSSH format (``NAME`` and
     ``NAME.pub``), the format ``flower-supernode --auth-supernode-private-key`` and
@@ -395,8 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedfusion.app.deploy",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("tls", help="CA + server certificate for 127.0.0.1/localhost")
+    p = sub.add_parser("tls", help="CA + server certificate (default: 127.0.0.1, localhost)")
     p.add_argument("folder", type=Path)
+    p.add_argument("--host", action="append", dest="hosts",
+                   help="an IP address or DNS name the SuperLink is reached at (repeatable)")
+    p.add_argument("--days", type=int, default=7, help="validity (default 7)")
     p = sub.add_parser("node-key", help="SuperNode EC key pairs (OpenSSH format)")
     p.add_argument("folder", type=Path)
     p.add_argument("names", nargs="+")
@@ -422,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "tls":
-        _lines(str(p) for p in vars(write_tls_files(args.folder)).values())
+        files = write_tls_files(args.folder, args.hosts or TLS_HOSTS, args.days)
+        _lines(str(p) for p in vars(files).values())
     elif args.command == "node-key":
         _lines(str(p) for name in args.names for p in write_node_key(args.folder, name))
     elif args.command == "free-ports":
