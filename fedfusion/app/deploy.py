@@ -6,7 +6,7 @@ its commands are the ones a user types on real machines (see docs/deploy.md). Th
 gives it, as ``python -m fedfusion.app.deploy <command>``:
 
 ``tls DIR [--host H]... [--days D]``
-    a new CA and a server certificate it signs for H... (default 127.0.0.1 and localhost):
+    a new CA and a server certificate it signs for H... and 127.0.0.1/localhost:
     ``ca.pem``, ``server.pem``, ``server.key``;
 ``node-key DIR NAME...``
     SuperNode authentication key pairs: EC P-384 in OpenSSH format (``NAME`` and
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedfusion.app.deploy",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("tls", help="CA + server certificate (default: 127.0.0.1, localhost)")
+    p = sub.add_parser("tls", help="CA + server certificate for H... and 127.0.0.1/localhost")
     p.add_argument("folder", type=Path)
     p.add_argument("--host", action="append", dest="hosts",
                    help="an IP address or DNS name the SuperLink is reached at (repeatable)")
@@ -425,7 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "tls":
-        files = write_tls_files(args.folder, args.hosts or TLS_HOSTS, args.days)
+        # loopback always: the SuperLink's own ServerApp reaches it at 127.0.0.1 over TLS
+        # (Flower turns a bind-all --host 0.0.0.0 into 127.0.0.1 for it)
+        hosts = list(dict.fromkeys([*(args.hosts or []), *TLS_HOSTS]))
+        files = write_tls_files(args.folder, hosts, args.days)
         _lines(str(p) for p in vars(files).values())
     elif args.command == "node-key":
         _lines(str(p) for name in args.names for p in write_node_key(args.folder, name))
