@@ -11,7 +11,9 @@ processes included).
   lacks the CA is refused;
 * TLS + SuperNode authentication (FedAvg): a SuperNode with an unregistered key and one with
   no key are refused, the registered ones complete the run;
-* a run that fails (``flwr run`` exits 0) fails the script, and SIGTERM stops everything.
+* a run that fails (``flwr run`` exits 0) fails the script, and SIGTERM stops everything;
+* the helpers: certificates a TLS client accepts, keys Flower's own loaders read, the run
+  config the script hands to ``flwr run``.
 
 Real Fashion-MNIST: 3 clients on a 6,000-sample subset (Dirichlet 1.0), 5 local epochs; floors
 55% (measured in process: FedAvg 67.3%, ensemble 71.0%, FedBEns 67.5%).
@@ -22,8 +24,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +37,12 @@ import numpy as np
 import pytest
 from conftest import LAUNCH_TIMEOUT_S
 
-from fedfusion.app.deploy import processes_under
+from fedfusion.app.deploy import (
+    plan_run,
+    processes_under,
+    write_node_key,
+    write_tls_files,
+)
 from fedfusion.app.launch import is_running, launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,6 +217,9 @@ def test_sigterm_stops_everything(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         time.sleep(2)  # the run in progress, Flower's subprocesses starting
+        # the leftover check below sees the deployment's processes while they run
+        running = {p.program for p in processes_under(work / "flwr-home")}
+        assert {"flower-superlink", "flower-supernode", "flower-superexec"} <= running
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
     finally:
@@ -214,3 +227,78 @@ def test_sigterm_stops_everything(tmp_path):
             proc.kill()
             proc.wait()
     assert_nothing_left(work)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, name: str) -> bytes:
+    """One TLS connection on 127.0.0.1 in which the client verifies the server as ``name``;
+    returns what the server sent, or raises the client's ssl error."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.sendall(b"ok")
+            except (ssl.SSLError, OSError):  # the client refused us
+                conn.close()
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            with socket.create_connection(listener.getsockname()) as raw, \
+                    client_ctx.wrap_socket(raw, server_hostname=name) as tls:
+                return tls.recv(2)
+        finally:
+            thread.join()
+
+
+def test_the_server_certificate_passes_tls_verification_against_the_ca(tmp_path):
+    """Real handshakes with Python's ssl (under httpx, Flower's HTTP client), strict X.509
+    checks on: both names verify against the CA; another CA is refused."""
+    files = write_tls_files(tmp_path, ["127.0.0.1", "localhost"])
+    assert oct(files.key.stat().st_mode & 0o777) == "0o600"
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(files.cert, files.key)
+    client_ctx = ssl.create_default_context(cafile=str(files.ca))
+    client_ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    for name in ("127.0.0.1", "localhost"):
+        assert _handshake(server_ctx, client_ctx, name) == b"ok"
+    with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch|IP address"):
+        _handshake(server_ctx, client_ctx, "10.0.0.1")
+    other = ssl.create_default_context(cafile=str(write_tls_files(tmp_path / "other").ca))
+    with pytest.raises(ssl.SSLCertVerificationError, match="unable to get local issuer"):
+        _handshake(server_ctx, other, "127.0.0.1")
+
+
+def test_node_keys_are_what_flower_reads(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    private, public = write_node_key(tmp_path, "node")
+    assert oct(private.stat().st_mode & 0o777) == "0o600"
+    key = load_ssh_private_key(private.read_bytes(), None)  # flower-supernode's loader
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+    # `flwr supernode register` sends the bytes of the public key the SuperNode derives
+    assert try_load_public_key(public) == public_key_to_bytes(key.public_key())
+
+
+def test_the_run_config_handed_to_flwr_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = plan_run("strategy=fedbens alpha=0.5 model-kwargs='{\"a\": 1}' output-dir=out",
+                    None, tmp_path / "default", "deploy-tls")
+    assert plan.items == ["strategy='fedbens'", "alpha=0.5", "model-kwargs='{\"a\": 1}'",
+                          "num-clients=3", f"output-dir='{tmp_path / 'out'}'",
+                          "run-name='deploy-tls'"]
+    assert plan.results == tmp_path / "out" / "deploy-tls" / "results.json"
+    assert plan_run("num-clients=5 run-name=x", None, tmp_path, "y").num_clients == 5
+    assert plan_run("", 4, tmp_path, "y").items[0] == "num-clients=4"
+    with pytest.raises(ValueError, match="--num-clients 4 contradicts the run config's "
+                                         "num-clients=5"):
+        plan_run("num-clients=5", 4, tmp_path, "y")
+    with pytest.raises(ValueError, match=r"must be key=value, got \['fedavg'\]"):
+        plan_run("fedavg", None, tmp_path, "y")

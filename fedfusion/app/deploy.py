@@ -54,7 +54,7 @@ from fedfusion.app.launch import (
     stop_process_trees,
 )
 
-#: the hosts the server certificate is valid for: the deployment stays on loopback
+#: the hosts every server certificate of :func:`main`'s ``tls`` is valid for
 TLS_HOSTS = ("127.0.0.1", "localhost")
 
 
@@ -241,15 +241,17 @@ def _environment(pid: int) -> dict[str, str]:
 
 
 def processes_under(flwr_home: str | os.PathLike[str]) -> list[ProcessInfo]:
-    """Live processes whose environment has ``FLWR_HOME=<flwr_home>`` (exactly): the script
-    exports it before starting anything, and Flower's SuperExec, ServerApp and ClientApp
-    processes inherit it, so it names everything one deployment started."""
-    home = str(flwr_home)
+    """Live processes whose environment has ``FLWR_HOME`` = ``flwr_home`` (the same folder,
+    symlinks resolved): the script exports it before starting anything, and Flower's
+    SuperExec, ServerApp and ClientApp processes inherit it, so it names everything one
+    deployment started."""
+    home = os.path.realpath(flwr_home)
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        if _environment(int(entry.name)).get("FLWR_HOME") != home:
+        value = _environment(int(entry.name)).get("FLWR_HOME")
+        if not value or os.path.realpath(value) != home:
             continue
         info = _read_process(int(entry.name))
         if info is not None:
