@@ -19,9 +19,9 @@
 #   --node I "k=v"   more node config for SuperNode I (fedfusion.client_app.NODE_OVERRIDES,
 #                    e.g. "num-members=2 local-epochs=5"; TOML values: strings in quotes)
 #   --work-dir DIR   logs/, certs/, keys/, flwr-home/, outputs/ (default: a new temp dir, kept)
-#   --intruders      first start SuperNodes the SuperLink must refuse (tls: one that lacks the
+#   --intruders      also start SuperNodes the SuperLink must refuse (tls: one that lacks the
 #                    CA; auth: one with an unregistered key and one with no key) and fail
-#                    unless each exits refused before the run
+#                    unless each exits refused before the run starts
 #   --measure        sample the peak resident memory of every Flower process into
 #                    WORK/memory.json (the ClientApp runs in its own flwr-clientapp process)
 #   --timeout S      limit of the run (default 1800 s)
@@ -222,7 +222,7 @@ for ((i = 0; i < NUM_CLIENTS; i++)); do
   NODE_PIDS+=($!)
 done
 
-# the intruders started before the SuperNodes; each must be refused before the run starts
+# each intruder must have been refused (and exited) before the run starts
 if [ "$INTRUDERS" = 1 ]; then
   for k in "${!INTRUDER_PIDS[@]}"; do
     name="${INTRUDER_NAMES[$k]}" pid="${INTRUDER_PIDS[$k]}"

@@ -40,6 +40,7 @@ from conftest import LAUNCH_TIMEOUT_S
 from fedfusion.app.deploy import (
     plan_run,
     processes_under,
+    stop,
     write_node_key,
     write_tls_files,
 )
@@ -80,18 +81,39 @@ def assert_nothing_left(work: Path) -> None:
     assert not left, f"processes left under {work / 'flwr-home'}: {left}"
 
 
-def deploy(work: Path, mode: str, run_config: str, *options: str) -> Deployment:
-    """Run the script; assert it left nothing running, whatever its outcome."""
+def script_env() -> dict[str, str]:
+    """The script's environment: this interpreter's env, no Flower settings of the caller."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
     env["PYTHON"] = sys.executable
-    proc = subprocess.run(
+    return env
+
+
+def deploy(work: Path, mode: str, run_config: str, *options: str) -> Deployment:
+    """Run the script; assert it left nothing running, whatever its outcome. Past
+    LAUNCH_TIMEOUT_S it gets SIGTERM (its trap stops the deployment), not subprocess's
+    SIGKILL, which would leave the deployment running."""
+    proc = subprocess.Popen(
         ["bash", str(SCRIPT), "--mode", mode, "--work-dir", str(work), "--run-config",
          f"{COMMON} {run_config}", *options],
-        env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
+        env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=60)
+        pytest.fail(f"deploy-local.sh --mode {mode} ran past {LAUNCH_TIMEOUT_S} s:\n"
+                    f"{output[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = processes_under(work / "flwr-home")
+        stop([], str(work / "flwr-home"))  # never leave a deployment running on CI
+    assert not left, f"processes left under {work / 'flwr-home'}: {left}"
     assert_nothing_left(work)
     results_file = work / "outputs" / f"deploy-{mode}" / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else None
-    return Deployment(proc.returncode, proc.stdout + proc.stderr, work, results)
+    return Deployment(proc.returncode, output, work, results)
 
 
 def assert_ok(run: Deployment, floor: float) -> dict:
@@ -205,11 +227,9 @@ def test_a_failed_run_fails_the_script_and_stops_everything(tmp_path):
 
 def test_sigterm_stops_everything(tmp_path):
     work = tmp_path / "term"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
-    env["PYTHON"] = sys.executable
     proc = subprocess.Popen(
         ["bash", str(SCRIPT), "--work-dir", str(work), "--run-config", f"{COMMON} local-epochs=50"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         pids = work / "pids"
@@ -222,11 +242,13 @@ def test_sigterm_stops_everything(tmp_path):
         assert {"flower-superlink", "flower-supernode", "flower-superexec"} <= running
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
+        assert_nothing_left(work)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert_nothing_left(work)
+        # a failed assertion above must not leave the deployment running on the CI machine
+        stop([], str(work / "flwr-home"))
 
 
 # ------------------------------------------------------------------------------ helpers
