@@ -82,8 +82,11 @@ def assert_nothing_left(work: Path) -> None:
 
 
 def script_env() -> dict[str, str]:
-    """The script's environment: this interpreter's env, no Flower settings of the caller."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
+    """The script's environment: this interpreter, no Flower settings of the caller, and no
+    PYTHONPATH, so that Flower's processes can import fedfusion only from the App bundle
+    (they run outside the checkout, and fedfusion is not installed in the environment)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FLWR_") and k != "PYTHONPATH"}
     env["PYTHON"] = sys.executable
     return env
 
