@@ -128,7 +128,8 @@ trap 'exit 143' TERM
 : > "$WORK/pids"
 
 # ---------------------------------------------------------------------------------- SuperLink
-read -r -a PORTS <<< "$(helper free-ports $((NUM_CLIENTS + 3)) | tr '\n' ' ')"
+ports="$(helper free-ports $((NUM_CLIENTS + 3)))"  # SuperLink, 2 intruders, N SuperNodes
+mapfile -t PORTS <<< "$ports"
 SUPERLINK="127.0.0.1:${PORTS[0]}"
 case "$MODE" in
   insecure)
