@@ -25,8 +25,8 @@ gives it, as ``python -m fedfusion.app.deploy <command>``:
     list the live processes whose environment has ``FLWR_HOME=<FLWR_HOME>``: everything the
     script started and everything Flower spawned from it; exit 1 if there is any;
 ``watch FLWR_HOME OUT``
-    sample the peak resident memory (``VmHWM``) of those processes until SIGTERM, then write
-    OUT (JSON);
+    sample the peak memory and the CPU time of Flower's processes among them until SIGTERM,
+    then write OUT (JSON, :func:`watch`);
 ``check RESULTS --clients N``
     judge a run by its ``results.json`` (``flwr run`` exits 0 even when the run fails).
 """
@@ -289,67 +289,74 @@ FLOWER_PROGRAMS = ("flower-superlink", "flower-supernode", "flower-superexec", "
 
 
 @dataclass
-class PeakMemory:
-    """Peak memory of one process: ``peak_rss_mb`` is the kernel's high-water mark
-    (``VmHWM``: every resident page, shared libraries included); ``peak_anon_mb`` the largest
-    sampled ``RssAnon`` (the process's own heap: tensors, data, model), a lower bound of its
-    true peak."""
+class ProcessUsage:
+    """What one process used: ``peak_rss_mb`` is the kernel's high-water mark of its
+    resident pages (``VmHWM``, shared libraries included); ``peak_anon_mb`` the largest
+    sampled ``RssAnon`` (its own heap: tensors, data, models), a lower bound of the true
+    peak; ``cpu_s`` its user + system CPU time at the last sample (what it costs a core,
+    whatever else the machine runs)."""
 
     pid: int
     program: str
     node_config: str | None
     peak_rss_mb: float
     peak_anon_mb: float
+    cpu_s: float
     first_seen_s: float
     last_seen_s: float
 
 
-def _memory_mb(pid: int) -> tuple[float, float] | None:
-    """(VmHWM, RssAnon) of ``pid`` in MiB, None when it is gone."""
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _usage(pid: int) -> tuple[float, float, float] | None:
+    """(VmHWM MiB, RssAnon MiB, CPU seconds) of ``pid``, None when it is gone."""
     values = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, rest = line.partition(":")
             if key in ("VmHWM", "RssAnon"):
                 values[key] = int(rest.split()[0]) / 1024
+        # fields 14 and 15 of stat (utime, stime), counted after the ")" closing the name
+        utime, stime = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
     except (OSError, ValueError, IndexError):
         return None
     if len(values) < 2:
         return None
-    return values["VmHWM"], values["RssAnon"]
+    return values["VmHWM"], values["RssAnon"], (int(utime) + int(stime)) / _CLOCK_TICKS
 
 
-def watch(flwr_home: str, out: Path, interval_s: float = 0.1) -> list[PeakMemory]:
-    """Sample the memory of the Flower processes (:data:`FLOWER_PROGRAMS`) under
-    ``flwr_home`` until SIGTERM/SIGINT, then write ``out``. ``VmHWM`` is the kernel's own
-    high-water mark, so sampling misses at most the growth in a process's last
-    ``interval_s``; ``RssAnon`` is sampled, so a spike shorter than ``interval_s`` can be
-    missed."""
+def watch(flwr_home: str, out: Path, interval_s: float = 0.1) -> list[ProcessUsage]:
+    """Sample the memory and CPU time of the Flower processes (:data:`FLOWER_PROGRAMS`)
+    under ``flwr_home`` until SIGTERM/SIGINT, then write ``out``. ``VmHWM`` is the kernel's
+    own high-water mark, so sampling misses at most the growth in a process's last
+    ``interval_s`` (and CPU time its last ``interval_s``); ``RssAnon`` is sampled, so a spike
+    shorter than ``interval_s`` can be missed."""
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-    seen: dict[int, PeakMemory] = {}
+    seen: dict[int, ProcessUsage] = {}
     start = time.monotonic()
     while not stopping:
         now = time.monotonic() - start
         for info in processes_under(flwr_home):
             if info.program not in FLOWER_PROGRAMS:
                 continue
-            memory = _memory_mb(info.pid)
-            if memory is None:
+            usage = _usage(info.pid)
+            if usage is None:
                 continue
-            peak = seen.get(info.pid)
-            if peak is None:
-                peak = seen[info.pid] = PeakMemory(info.pid, info.program,
-                                                   _node_config(info.pid), *memory, now, now)
-            peak.peak_rss_mb = max(peak.peak_rss_mb, memory[0])
-            peak.peak_anon_mb = max(peak.peak_anon_mb, memory[1])
-            peak.last_seen_s = now
+            entry = seen.get(info.pid)
+            if entry is None:
+                entry = seen[info.pid] = ProcessUsage(info.pid, info.program,
+                                                      _node_config(info.pid), *usage, now, now)
+            entry.peak_rss_mb = max(entry.peak_rss_mb, usage[0])
+            entry.peak_anon_mb = max(entry.peak_anon_mb, usage[1])
+            entry.cpu_s, entry.last_seen_s = usage[2], now
         time.sleep(interval_s)
-    peaks = sorted(seen.values(), key=lambda p: p.pid)
+    entries = sorted(seen.values(), key=lambda p: p.pid)
     out.write_text(json.dumps({"interval_s": interval_s,
-                               "processes": [asdict(p) for p in peaks]}, indent=1))
-    return peaks
+                               "processes": [asdict(p) for p in entries]}, indent=1))
+    return entries
 
 
 # ------------------------------------------------------------------------- results
@@ -417,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flwr-home", default=None, help="then what still runs under FLWR_HOME")
     p = sub.add_parser("leftovers", help="live processes under FLWR_HOME; exit 1 if any")
     p.add_argument("flwr_home")
-    p = sub.add_parser("watch", help="peak RSS of the processes under FLWR_HOME until SIGTERM")
+    p = sub.add_parser("watch", help="memory and CPU of the Flower processes until SIGTERM")
     p.add_argument("flwr_home")
     p.add_argument("out", type=Path)
     p.add_argument("--interval", type=float, default=0.1)
