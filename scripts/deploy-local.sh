@@ -22,7 +22,7 @@
 #   --intruders      also start SuperNodes the SuperLink must refuse (tls: one that lacks the
 #                    CA; auth: one with an unregistered key and one with no key) and fail
 #                    unless each exits refused before the run starts
-#   --measure        sample the peak resident memory of every Flower process into
+#   --measure        sample the peak memory and CPU time of every Flower process into
 #                    WORK/memory.json (the ClientApp runs in its own flwr-clientapp process)
 #   --timeout S      limit of the run (default 1800 s)
 #
