@@ -72,16 +72,35 @@ def stop_superlink(port: int) -> int:
             continue
         if any(b"flower-superlink" in a for a in args[:2]) and str(port).encode() in args:
             roots.append(int(cmdline.parent.name))
+    stop_process_trees(roots)
+    return len(roots)
+
+
+def stop_process_trees(roots: list[int], grace_s: float = 2.0) -> None:
+    """SIGTERM every process in the trees under ``roots``, SIGKILL those still running after
+    ``grace_s``. The trees are read first: a stopped parent's children are re-parented."""
     victims = [p for root in roots for p in _process_tree(root)]
+    deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in victims:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        if sig == signal.SIGTERM:
-            time.sleep(2)
-    return len(roots)
+        while sig == signal.SIGTERM and time.monotonic() < deadline:
+            victims = [pid for pid in victims if is_running(pid)]
+            if not victims:
+                return
+            time.sleep(0.1)
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie, not yet reaped, has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 #: the simulation federation of an App whose pyproject.toml has no [tool.fedfusion.simulation]
