@@ -269,8 +269,8 @@ class FusionStrategy(Strategy, ABC):
 
     def _unique_clients(self, uploads: list[ClientUpload], server_round: int
                         ) -> list[ClientUpload]:
-        """One upload per client id: a second claim of an id (from another node) is excluded,
-        so no client's upload can replace another's."""
+        """One upload per client id: a later claim of an id (another node, in the order given;
+        live rounds sort by node id) is excluded, so no client's upload can replace another's."""
         owner: dict[int, ClientUpload] = {}
         for upload in uploads:
             first = owner.setdefault(upload.client_id, upload)
@@ -382,6 +382,7 @@ class FusionStrategy(Strategy, ABC):
             if node not in replied:
                 self._exclude(server_round, f"node {node}",
                               f"no reply within {self.round_timeout:g} s")
+        valid.sort(key=lambda u: u.node_id)  # replies come in any order: lowest node id first
         predictor = self._fuse_valid(self._unique_clients(valid, server_round), server_round)
         metrics = MetricRecord({"num-valid-uploads": len(self.uploads),
                                 "num-examples": sum(u.num_examples for u in self.uploads)})
