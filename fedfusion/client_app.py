@@ -38,7 +38,7 @@ from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.curvature import import_laplace
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.predictors import ModelSpec
-from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local
+from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
 from fedfusion.uploads import CURVATURE_PREFIX, build_section
 
 log = logging.getLogger("fedfusion")
@@ -142,16 +142,19 @@ def run_client(
         import_s = import_laplace()
         if import_s > 0:
             log.info("client %d: laplace-torch imported in %.1f s", client_id, import_s)
-    for m in range(settings.num_members):
-        seed = member_seed(settings, client_id, m, server_round)
-        torch.manual_seed(seed)
-        model = spec.build()
-        if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
-            model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
-        with ExitStack() as stack:
-            terms = loss_terms(model, objective, previous[m] if m < len(previous) else None,
-                               stack)
-            stats = train_local(model, x, y, train_config, seed, terms)
+    models, seeds, member_terms = [], [], []
+    with ExitStack() as stack:
+        for m in range(settings.num_members):
+            seeds.append(member_seed(settings, client_id, m, server_round))
+            torch.manual_seed(seeds[-1])
+            models.append(model := spec.build())
+            if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
+                model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
+            member_terms.append(loss_terms(model, objective,
+                                           previous[m] if m < len(previous) else None, stack))
+        # all members in one computation where the model allows it (fedfusion.stacked)
+        all_stats = train_members(models, x, y, train_config, seeds, member_terms)
+    for m, (model, terms, stats) in enumerate(zip(models, member_terms, all_stats, strict=True)):
         contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
         extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
         member: dict[str, NumpyDict] = {}

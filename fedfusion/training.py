@@ -102,3 +102,44 @@ def train_local(
         samples=n * config.epochs,
         final_loss=float(loss.detach()),
     )
+
+
+def train_members(
+    models: Sequence[nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: TrainConfig,
+    seeds: Sequence[int],
+    loss_terms: Sequence[Sequence[LossTerm]] | None = None,
+) -> list[TrainStats]:
+    """Train every ``models[m]`` in place as ``train_local(models[m], x, y, config, seeds[m],
+    loss_terms[m])`` does: the same SGD, the same number of steps, member m's own batch order
+    (``seeds[m]``), momentum buffer and loss terms.
+
+    Members of an architecture the stacked engine knows (:mod:`fedfusion.stacked`: chains of
+    convolutions, linear layers, ReLU, 2x2 max-pools and flattening, as the model zoo's) train
+    as one computation, equal to the one-by-one result up to float summation order; any other
+    model, or a loss term other than a :class:`ProximalTerm` on the member itself, trains one
+    member after the other with :func:`train_local`. The stacked engine reports one wall time
+    for all members: each member's ``seconds`` is its share, ``total / M``."""
+    from fedfusion.stacked import compile_members, train_stacked
+
+    if len(seeds) != len(models):
+        raise ValueError(f"train_members got {len(models)} models and {len(seeds)} seeds")
+    terms = [list(t) for t in loss_terms] if loss_terms is not None else [[] for _ in models]
+    if len(terms) != len(models):
+        raise ValueError(f"train_members got {len(models)} models and {len(terms)} "
+                         "lists of loss terms")
+    for model in models:
+        model.train()
+    net = compile_members(models, x, terms) if models else None
+    if net is None:
+        return [train_local(model, x, y, config, seed, member_terms)
+                for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
+    seconds, losses = train_stacked(net, x, y, config.epochs, config.lr, config.momentum,
+                                    config.batch_size, seeds)
+    for model in models:
+        model.eval()
+    share = seconds / len(models)
+    return [TrainStats(seconds=share, samples=len(y) * config.epochs, final_loss=loss)
+            for loss in losses]
