@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion import kernels, stacked
+from fedfusion import kernels, stacked, training
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.models import build_model
 from fedfusion.training import ProximalTerm, TrainConfig, train_local, train_members
@@ -91,6 +91,7 @@ def test_stacked_members_equal_the_members_trained_one_by_one(
     if use_kernels and kernels.pool_kernels() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv(kernels.DISABLE_ENV, "0" if use_kernels else "1")
+    monkeypatch.setattr(training, "CHUNK_BYTES", 2**40)  # all three members in one stack
     x, y = fmnist_rows
     x = _as_rgb32(x) if shape[0] == 3 else x
     x, y = x[:200], y[:200]  # 4 steps of 64 and a last one of 8 per epoch
@@ -220,3 +221,21 @@ def test_train_members_rejects_mismatched_arguments():
         train_members(models, x, y, TrainConfig(epochs=1), [0])
     with pytest.raises(ValueError, match="train_members got 2 models and 1 lists of loss terms"):
         train_members(models, x, y, TrainConfig(epochs=1), [0, 1], [[]])
+
+
+@needs_fmnist
+def test_large_members_train_in_chunks_with_the_same_result(fmnist_rows, monkeypatch):
+    x = _as_rgb32(fmnist_rows[0][:130])
+    y = fmnist_rows[1][:130]
+    models = _members("cnn", (3, 32, 32), 3)
+    assert training._members_per_chunk(models, x, 64) == 1  # 37 MB of maps per member
+    lenets = _members("lenet", (1, 28, 28), 5)
+    assert training._members_per_chunk(lenets, fmnist_rows[0][:2], 64) == 5
+    config = TrainConfig(epochs=1, batch_size=64)
+    chunked, together = _members("cnn", (3, 32, 32), 3), _members("cnn", (3, 32, 32), 3)
+    first = train_members(chunked, x, y, config, [1, 2, 3])
+    monkeypatch.setattr(training, "CHUNK_BYTES", 2**40)
+    second = train_members(together, x, y, config, [1, 2, 3])
+    assert _max_relative_error(chunked, together) < 1e-5
+    assert [s.final_loss for s in first] == pytest.approx([s.final_loss for s in second],
+                                                          rel=1e-5)
