@@ -74,6 +74,9 @@ class _Layer:
     #: stacked parameters of this layer, [M, *shape] each, with the member modules' names
     params: list[tuple[str, torch.Tensor]]
     needs_input_grad: bool = True
+    #: False: ``backward`` leaves ``grads`` alone (a curvature fit needs the output gradients
+    #: of the layers, not the parameters' gradients)
+    weight_grads: bool = True
 
     def __init__(self, name: str, workspace: _Workspace):
         self.name = name
@@ -207,9 +210,10 @@ class _Conv2d(_Layer):
         assert self.kernels is not None
         m, c, b, height, width = self.in_shape
         grads = _contiguous_per_member(self.ws, f"{self.name}/grad_out", g)
-        self.kernels.weight_grad(self.inputs, grads, self.grads[0])
-        if self.bias is not None:
-            torch.sum(grads, dim=(1, 3, 4), out=self.grads[1])
+        if self.weight_grads:
+            self.kernels.weight_grad(self.inputs, grads, self.grads[0])
+            if self.bias is not None:
+                torch.sum(grads, dim=(1, 3, 4), out=self.grads[1])
         if not self.needs_input_grad:
             return None
         grad_in = self.buffer("grad_in", (m, b, c, height, width))
@@ -236,23 +240,29 @@ class _Conv2d(_Layer):
     def _backward_native(self, g: torch.Tensor) -> torch.Tensor | None:
         m, c, b, height, width = self.in_shape
         grads = g.transpose(1, 2)  # [M, B, O, Ho, Wo]
-        mask = [self.needs_input_grad, True, self.bias is not None]
+        mask = [self.needs_input_grad, self.weight_grads,
+                self.weight_grads and self.bias is not None]
+        if not any(mask):
+            return None
         grad_in = (_per_member_nchw(self.ws, f"{self.name}/grad_in", m, c, b, height, width)
                    if self.needs_input_grad else None)
         for i in range(m):
             gx, gw, gb = torch.ops.aten.convolution_backward(
                 grads[i], self.inputs[i], self.weight[i], None if self.bias is None else [0],
                 self.conv.stride, self.conv.padding, self.conv.dilation, False, [0, 0], 1, mask)
-            self.grads[0][i].copy_(gw)
-            if self.bias is not None:
-                self.grads[1][i].copy_(gb)
+            if self.weight_grads:
+                self.grads[0][i].copy_(gw)
+                if self.bias is not None:
+                    self.grads[1][i].copy_(gb)
             if grad_in is not None:
                 grad_in.transpose(1, 2)[i].copy_(gx)
         return grad_in
 
     # -- gemm: im2col + batched GEMM ------------------------------------------------------------
 
-    def _forward_gemm(self, h: torch.Tensor) -> torch.Tensor:
+    def patches(self, h: torch.Tensor) -> torch.Tensor:
+        """im2col of ``[M, C, B, H, W]`` maps: ``[M, C * kh * kw, B * Ho * Wo]`` (in PyTorch's
+        weight order), in a reused buffer; sets ``out_hw``."""
         m, c, b, height, width = h.shape
         if self.ph or self.pw:
             padded = self.buffer("padded", (m, c, b, height + 2 * self.ph, width + 2 * self.pw))
@@ -264,14 +274,19 @@ class _Conv2d(_Layer):
         wo = (wp - self.dw * (self.kw - 1) - 1) // self.sw + 1
         self.out_hw = (ho, wo)
         sm, sc, sb, sy, sx = h.stride()
-        patches = h.as_strided(
+        windows = h.as_strided(
             (m, c, self.kh, self.kw, b, ho, wo),
             (sm, sc, self.dh * sy, self.dw * sx, sb, self.sh * sy, self.sw * sx),
             h.storage_offset())
-        cols = self.buffer("cols", patches.shape)
-        cols.copy_(patches)
-        k, n = c * self.kh * self.kw, b * ho * wo
-        self.cols = cols.view(m, k, n)
+        cols = self.buffer("cols", windows.shape)
+        cols.copy_(windows)
+        return cols.view(m, c * self.kh * self.kw, b * ho * wo)
+
+    def _forward_gemm(self, h: torch.Tensor) -> torch.Tensor:
+        m, c, b, height, width = h.shape
+        self.cols = self.patches(h)
+        ho, wo = self.out_hw
+        k, n = self.cols.shape[1:]
         out = self.buffer("out", (m, self.out_channels, n))
         weight = self.weight.view(m, self.out_channels, k)
         if self.bias is not None:
@@ -285,9 +300,11 @@ class _Conv2d(_Layer):
         ho, wo = self.out_hw
         k = self.cols.shape[1]
         g = g.reshape(m, self.out_channels, -1)
-        torch.bmm(g, self.cols.transpose(1, 2), out=self.grads[0].view(m, self.out_channels, k))
-        if self.bias is not None:
-            torch.sum(g, dim=2, out=self.grads[1])
+        if self.weight_grads:
+            torch.bmm(g, self.cols.transpose(1, 2),
+                      out=self.grads[0].view(m, self.out_channels, k))
+            if self.bias is not None:
+                torch.sum(g, dim=2, out=self.grads[1])
         if not self.needs_input_grad:
             return None
         # the patches are no longer needed: their gradient goes into the same buffer
@@ -326,9 +343,10 @@ class _Linear(_Layer):
         return torch.bmm(h, weight.transpose(1, 2), out=out)
 
     def backward(self, g: torch.Tensor) -> torch.Tensor | None:
-        torch.bmm(g.transpose(1, 2), self.input, out=self.grads[0])
-        if len(self.params) > 1:
-            torch.sum(g, dim=1, out=self.grads[1])
+        if self.weight_grads:
+            torch.bmm(g.transpose(1, 2), self.input, out=self.grads[0])
+            if len(self.params) > 1:
+                torch.sum(g, dim=1, out=self.grads[1])
         if not self.needs_input_grad:
             return None
         weight = self.params[0][1]

@@ -230,6 +230,12 @@ def fit_curvature(
         seed=seed,
     )
     if structure == "kron":
+        if backend == "asdl_mc":  # the same factors without laplace-torch, where it can
+            from fedfusion.curvature.fast_kron import kron_mc_factors
+
+            matrices = kron_mc_factors(model, x, seed, batch_size)
+            if matrices is not None:
+                return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var)
         la = fit_laplace(model, x, y, "kron", **common)
         return kron_from_laplace(la, shapes, temperature, prior_var)
     if diagonal is None:
