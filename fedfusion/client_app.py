@@ -35,7 +35,8 @@ from fedfusion import setup_logging
 from fedfusion.app.config import Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.contrastive import ContrastiveTerm
-from fedfusion.curvature import import_laplace
+from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
+from fedfusion.curvature.fit import uses_laplace
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.predictors import ModelSpec
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
@@ -124,8 +125,10 @@ def run_client(
     ``previous[m]`` is member m's model after this client's previous round (for the
     contrastive term of ``objective``)."""
     torch.set_num_threads(settings.client_threads)
+    started = time.perf_counter()
     split = federated_split(settings)
     x, y = split.client_data(client_id)
+    load_s = time.perf_counter() - started  # ~0 after this process's first client
     bundle = split.bundle
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
@@ -137,7 +140,9 @@ def run_client(
     section_s = dict.fromkeys([*sections, *optional], 0.0)
     failed: dict[str, str] = {}
     contrastive_members = 0
-    if any(section.startswith(CURVATURE_PREFIX) for section in section_s):
+    probe, backend = spec.build(), settings.curvature_backend or DEFAULT_BACKEND
+    if any(section.startswith(CURVATURE_PREFIX) and uses_laplace(
+            probe, section.removeprefix(CURVATURE_PREFIX), backend) for section in section_s):
         # once per process, before the timed fits (else member 0's fit carries it)
         import_s = import_laplace()
         if import_s > 0:
@@ -188,6 +193,8 @@ def run_client(
         metrics={
             "train-time-s": train_s,
             "stats-time-s": sum(section_s.values()),
+            "load-time-s": load_s,
+            "client-time-s": time.perf_counter() - started,
             **{f"time-s/{section}": t for section, t in section_s.items()},
             "class-histogram": [int(v) for v in split.histogram[client_id]],
             **({"contrastive-members": contrastive_members}

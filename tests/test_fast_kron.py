@@ -1,5 +1,9 @@
 """The default Kron fit on the stacked trainer's layers equals laplace-torch's asdl_mc fit."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +84,22 @@ def test_fit_curvature_uses_it_and_falls_back_to_laplace_torch_elsewhere():
     assert kron_mc_factors(Tanh(), torch.randn(10, 4), seed=0) is None
     curvature = fit_curvature(Tanh(), torch.randn(40, 4), torch.randint(0, 3, (40,)), "kron")
     assert curvature.precision_logdet() > 0
+
+
+def test_a_kron_client_never_imports_laplace_torch() -> None:
+    """The default Kron fit needs no laplace-torch (~2 s and 0.3 GB per client process)."""
+    script = (
+        "import sys\n"
+        "from fedfusion.app.config import Settings\n"
+        "from fedfusion.client_app import run_client\n"
+        "settings = Settings(num_clients=2, train_subset=400, local_epochs=1, num_members=2,\n"
+        "                    val_size=100)\n"
+        "upload = run_client(settings, 0, [], sections=('weights', 'curvature.kron'))\n"
+        "assert 'laplace' not in sys.modules, 'the client imported laplace-torch'\n"
+        "assert all('curvature.kron' in member for member in upload.members)\n"
+        "assert upload.metrics['load-time-s'] > 0\n"
+        "assert upload.metrics['client-time-s'] >= upload.metrics['train-time-s']\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -28,11 +28,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfusion.stacked import StackedNetwork, _Conv2d, _Linear, compile_members
+from fedfusion.stacked import StackedNetwork, _Conv2d, _Linear, compile_members, trace_stages
 
 #: int64 draws laplace-torch 0.3's ``fit`` (a DataLoader iterator's base seed, twice) takes
 #: from the global RNG before ASDL's first label draw (checked by the tests)
 _DRAWS_BEFORE_FIRST_BATCH = 2
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether :func:`kron_mc_factors` can fit ``model`` (a chain the stacked trainer knows,
+    float32 parameters on the CPU) for image or flat inputs; the actual fit decides finally."""
+    params = list(model.parameters())
+    return bool(params) and all(p.dtype == torch.float32 and p.device.type == "cpu"
+                                for p in params) and trace_stages(model) is not None
 
 
 def kron_mc_factors(model: nn.Module, x: torch.Tensor, seed: int | None,

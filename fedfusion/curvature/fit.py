@@ -112,6 +112,16 @@ def import_laplace() -> float:
     return time.perf_counter() - start
 
 
+def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEND) -> bool:
+    """Whether :func:`fit_curvature` of ``model`` with ``structure`` and ``backend`` goes
+    through laplace-torch (a client need not import it, ~2 s and 0.3 GB, when it does not)."""
+    if structure == "kron" and backend == "asdl_mc":
+        from fedfusion.curvature.fast_kron import supports
+
+        return not supports(model)
+    return True
+
+
 def _laplace(
     model: nn.Module,
     loader: DataLoader,
