@@ -25,6 +25,8 @@ laplace-torch.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -72,6 +74,29 @@ def kron_mc_factors(model: nn.Module, x: torch.Tensor, seed: int | None,
     return factors
 
 
+#: per input tensor of the last fits: (weak reference, version, batch size, its Gram matrix);
+#: the first layer's A factor depends on the data alone, the same for every member a client
+#: fits (:func:`_data_gram`)
+_DATA_GRAMS: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def _data_gram(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``sum_n x_n x_n^T`` over the flattened rows of ``x``, batch by batch in the fit's order
+    (so bitwise what each member's fit would sum), computed once per tensor and version."""
+    entry = _DATA_GRAMS.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1:3] == (x._version, batch_size):
+        return entry[3]
+    flat = x.reshape(len(x), -1)
+    gram = torch.zeros(flat.shape[1], flat.shape[1], dtype=flat.dtype)
+    for begin in range(0, len(x), batch_size):
+        rows = flat[begin:begin + batch_size]
+        gram.add_(rows.T @ rows)
+    for key in [k for k, v in _DATA_GRAMS.items() if v[0]() is None]:
+        del _DATA_GRAMS[key]  # tensors gone
+    _DATA_GRAMS[id(x)] = (weakref.ref(x), x._version, batch_size, gram)
+    return gram
+
+
 #: largest layer input (C * H * W floats) whose Gram matrix over samples the fit accumulates
 #: instead of the patches' (a [CHW, CHW] float32 Gram: 16 MB at this size)
 GRAM_MAX_FEATURES = 2048
@@ -115,6 +140,16 @@ def _accumulate(net: StackedNetwork, x: torch.Tensor, batch_size: int
     sums: dict[str, list[torch.Tensor]] = {}
     grams: dict[str, tuple[int, int, int]] = {}  # layer -> input (C, H, W) of a Gram sum
     first = next(i for i, layer in enumerate(net.layers) if layer.params)
+    first_layer = net.layers[first]
+    # the first layer sees the data itself (only flattening before it): its input Gram is
+    # the data's, shared by every member fitted on this x
+    data_only = all(type(layer).__name__ in ("_Flatten", "_Identity")
+                    for layer in net.layers[:first]) and (
+        isinstance(first_layer, _Linear) or (
+            isinstance(first_layer, _Conv2d) and x.ndim == 4
+            and _uses_input_gram(first_layer, *x.shape[1:])))
+    if data_only and isinstance(first_layer, _Conv2d):
+        grams[first_layer.name] = tuple(x.shape[1:])  # type: ignore[assignment]
     for begin in range(0, len(x), batch_size):
         inputs = x[begin:begin + batch_size].unsqueeze(0)
         h = inputs.transpose(1, 2) if x.ndim == 4 else inputs
@@ -128,14 +163,17 @@ def _accumulate(net: StackedNetwork, x: torch.Tensor, batch_size: int
             layer = net.layers[index]
             assert g is not None
             if layer.params:
-                b, a = _batch_factors(layer, g, grams)
+                b, a = _batch_factors(layer, g, grams, skip_a=data_only and index == first)
                 if layer.name in sums:
                     sums[layer.name][0].add_(b)
-                    sums[layer.name][1].add_(a)
+                    if a is not None:
+                        sums[layer.name][1].add_(a)
                 else:
-                    sums[layer.name] = [b, a]
+                    sums[layer.name] = [b, a if a is not None else torch.empty(0)]
             if index > first:
                 g = layer.backward(g)
+    if data_only:
+        sums[first_layer.name][1] = _data_gram(x, batch_size).clone()
     for layer in net.layers:
         if layer.name in grams:  # the input Gram -> the patches' Gram, divided by L
             assert isinstance(layer, _Conv2d)
@@ -146,19 +184,23 @@ def _accumulate(net: StackedNetwork, x: torch.Tensor, batch_size: int
     return {name: (b, a) for name, (b, a) in sums.items()}
 
 
-def _batch_factors(layer: object, g: torch.Tensor, grams: dict[str, tuple[int, int, int]]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_factors(layer: object, g: torch.Tensor, grams: dict[str, tuple[int, int, int]],
+                   skip_a: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, A) of one batch for a layer of one member, from its saved input and the gradient
     ``g`` of its output (before its backward pass overwrites any buffer). A convolution
-    listed in ``grams`` returns its input Gram in place of A."""
+    listed in ``grams`` returns its input Gram in place of A; ``skip_a``: A is not needed."""
     if isinstance(layer, _Linear):
-        a = layer.input[0]  # [B, in]
         grads = g[0]  # [B, out]
+        if skip_a:
+            return grads.T @ grads, None
+        a = layer.input[0]  # [B, in]
         return grads.T @ grads, a.T @ a
     assert isinstance(layer, _Conv2d)
     per_member = g.transpose(1, 2)[0]  # [B, O, Ho, Wo]
     per_sample = per_member.reshape(per_member.shape[0], per_member.shape[1], -1)
     b_factor = torch.bmm(per_sample, per_sample.transpose(1, 2)).sum(0)  # sum_n G_n G_n^T
+    if skip_a:
+        return b_factor, None
     if layer.strategy != "gemm":
         inputs = layer.inputs[0]  # [B, C, H, W], contiguous
         c, h, w = inputs.shape[1:]
