@@ -155,14 +155,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-authors-setting"))
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--client-threads", type=int, default=1,
-                        help="threads per client (the stacked trainer splits its members)")
     parser.add_argument("--local-epochs", type=int, default=20,
                         help="20 is the authors' setting; fewer for a quick look")
     args = parser.parse_args()
     name = f"a{args.alpha:g}-s{args.seed}" + (
-        f"-e{args.local_epochs}" if args.local_epochs != 20 else "") + (
-        f"-t{args.client_threads}" if args.client_threads != 1 else "")
+        f"-e{args.local_epochs}" if args.local_epochs != 20 else "")
     done = Path(args.out) / name / "results.json"
     if done.is_file():
         done.unlink()  # always a fresh run: this script measures time and memory
@@ -173,8 +170,7 @@ def main() -> None:
     sampler.start()
     start = time.perf_counter()
     results = live_run(f"strategy=fedbens alpha={args.alpha} seed={args.seed} num-clients=5 "
-                       f"num-members=5 local-epochs={args.local_epochs} hessian-structure=kron "
-                       f"client-threads={args.client_threads}",
+                       f"num-members=5 local-epochs={args.local_epochs} hessian-structure=kron",
                        args.out, name)
     launch_s = time.perf_counter() - start
     sampler.stop.set()
@@ -247,11 +243,10 @@ def main() -> None:
     for kind, gb in kinds.items():
         if gb >= 0.05:
             print(f"| {kind} | {gb:.2f} |")
-    target = RESULTS if (args.local_epochs, args.client_threads) == (20, 1) else \
-        RESULTS.with_name(f"authors_setting-{name}.json")
+    target = RESULTS if args.local_epochs == 20 else RESULTS.with_name(
+        f"authors_setting-e{args.local_epochs}.json")
     target.write_text(json.dumps({
         "alpha": args.alpha, "seed": args.seed, "local_epochs": args.local_epochs,
-        "client_threads": args.client_threads,
         "ours": ours, "authors": AUTHORS,
         "fit_over_train": fit_s / ours["client_train_s"], "time_split_s": split,
         "process_peak_gb": kinds, "per_client": [

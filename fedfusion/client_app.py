@@ -158,8 +158,7 @@ def run_client(
             member_terms.append(loss_terms(model, objective,
                                            previous[m] if m < len(previous) else None, stack))
         # all members in one computation where the model allows it (fedfusion.stacked)
-        all_stats = train_members(models, x, y, train_config, seeds, member_terms,
-                                  threads=settings.client_threads)
+        all_stats = train_members(models, x, y, train_config, seeds, member_terms)
     for m, (model, terms, stats) in enumerate(zip(models, member_terms, all_stats, strict=True)):
         contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
         extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +111,6 @@ def train_members(
     config: TrainConfig,
     seeds: Sequence[int],
     loss_terms: Sequence[Sequence[LossTerm]] | None = None,
-    threads: int = 1,
 ) -> list[TrainStats]:
     """Train every ``models[m]`` in place as ``train_local(models[m], x, y, config, seeds[m],
     loss_terms[m])`` does: the same SGD, the same number of steps, member m's own batch order
@@ -124,12 +122,7 @@ def train_members(
     model, or a loss term other than a :class:`ProximalTerm` on the member itself, trains one
     member after the other with :func:`train_local`. Members whose feature maps are large
     train in chunks of fewer members (:data:`CHUNK_BYTES`). The stacked engine reports one
-    wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``.
-
-    ``threads`` > 1 splits the members into that many groups (chunks) trained side by side in
-    Python threads, each on one core (PyTorch's ops and the compiled kernels release the GIL;
-    set ``torch.set_num_threads(1)``): a client that has the machine to itself, or the last
-    one of a simulation, uses the idle cores. The results do not depend on ``threads``."""
+    wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``."""
     from fedfusion.stacked import compile_members, train_stacked
 
     if len(seeds) != len(models):
@@ -140,34 +133,19 @@ def train_members(
                          "lists of loss terms")
     for model in models:
         model.train()
-    if threads < 1:
-        raise ValueError(f"train_members needs threads >= 1, got {threads}")
     size = _members_per_chunk(models, x, config.batch_size)
-    if threads > 1:  # at least one chunk per thread, of balanced sizes
-        size = min(size, -(-len(models) // threads)) if models else size
     chunks = [slice(begin, begin + size) for begin in range(0, len(models), size)]
     nets = [compile_members(models[chunk], x, terms[chunk]) for chunk in chunks]
     if not nets or any(net is None for net in nets):
         return [train_local(model, x, y, config, seed, member_terms)
                 for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
-    def run(net: object, chunk: slice) -> list[TrainStats]:
+    stats: list[TrainStats] = []
+    for net, chunk in zip(nets, chunks, strict=True):
         assert net is not None
         seconds, losses = train_stacked(net, x, y, config.epochs, config.lr, config.momentum,
                                         config.batch_size, seeds[chunk])
-        return [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
-                           final_loss=loss) for loss in losses]
-
-    if threads > 1 and len(chunks) > 1:
-        intra_op = torch.get_num_threads()
-        torch.set_num_threads(1)  # the threads split the members, not the ops
-        try:
-            with ThreadPoolExecutor(max_workers=min(threads, len(chunks))) as pool:
-                results = list(pool.map(run, nets, chunks))
-        finally:
-            torch.set_num_threads(intra_op)
-    else:
-        results = [run(net, chunk) for net, chunk in zip(nets, chunks, strict=True)]
-    stats = [s for group in results for s in group]
+        stats += [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
+                             final_loss=loss) for loss in losses]
     for model in models:
         model.eval()
     return stats

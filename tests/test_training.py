@@ -239,20 +239,3 @@ def test_large_members_train_in_chunks_with_the_same_result(fmnist_rows, monkeyp
     assert _max_relative_error(chunked, together) < 1e-5
     assert [s.final_loss for s in first] == pytest.approx([s.final_loss for s in second],
                                                           rel=1e-5)
-
-
-@needs_fmnist
-def test_member_threads_give_the_same_members(fmnist_rows):
-    x, y = fmnist_rows[0][:300], fmnist_rows[1][:300]
-    config = TrainConfig(epochs=1, batch_size=64)
-    serial, threaded = _members("lenet", (1, 28, 28), 5), _members("lenet", (1, 28, 28), 5)
-    first = train_members(serial, x, y, config, [1, 2, 3, 4, 5])
-    threads_before = torch.get_num_threads()
-    second = train_members(threaded, x, y, config, [1, 2, 3, 4, 5], threads=2)
-    assert torch.get_num_threads() == threads_before
-    # every member's arithmetic is its own: the split changes no bit
-    assert all(torch.equal(p, q) for a, b in zip(serial, threaded, strict=True)
-               for p, q in zip(a.parameters(), b.parameters(), strict=True))
-    assert [s.final_loss for s in first] == [s.final_loss for s in second]
-    with pytest.raises(ValueError, match="train_members needs threads >= 1, got 0"):
-        train_members(threaded, x, y, config, [1, 2, 3, 4, 5], threads=0)
