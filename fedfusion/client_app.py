@@ -33,7 +33,7 @@ from torch import nn
 
 from fedfusion import setup_logging
 from fedfusion.app.config import Settings
-from fedfusion.app.federation import federated_split
+from fedfusion.app.federation import client_for_partition, federated_split
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
@@ -220,7 +220,8 @@ def settings_for_node(run_config: Mapping[str, Any], node_config: Mapping[str, A
     """A node's settings: run config < its ``client-models`` entry < its node config."""
     settings = Settings.from_mapping(run_config)
     if "partition-id" in node_config:
-        settings = client_settings(settings, int(node_config["partition-id"]))
+        settings = client_settings(
+            settings, client_for_partition(settings, int(node_config["partition-id"])))
     overrides = {k: node_config[k] for k in NODE_OVERRIDES if k in node_config}
     if not overrides:
         return settings
@@ -258,6 +259,7 @@ def train(msg: Message, context: Context) -> Message:
     """Flower entry point: one round of local training and the upload."""
     setup_logging()
     settings = settings_for_node(context.run_config, context.node_config)
-    client_id = int(context.node_config["partition-id"])
+    # largest client first (fedfusion.app.federation.client_for_partition)
+    client_id = client_for_partition(settings, int(context.node_config["partition-id"]))
     return Message(content=handle_train(settings, client_id, msg.content, context.state),
                    reply_to=msg)

@@ -62,3 +62,21 @@ def _split(dataset: str, data_dir: str | None, val_size: int, train_subset: int,
     client_indices = [pool[p] for p in parts]
     return FederatedSplit(bundle, pool, client_indices,
                           class_histogram(labels, client_indices, bundle.num_classes))
+
+
+def client_for_partition(settings: Settings, partition_id: int) -> int:
+    """The client a node with ``partition-id`` ``partition_id`` trains: the clients in
+    decreasing size (ties: lower id first), so partition 0 trains the largest.
+
+    Flower's simulation hands the nodes' messages to its workers in partition order; with
+    uneven clients and fewer workers than clients, starting the largest first (longest
+    processing time first) shortens the client phase: the authors' setting (5 Dirichlet-0.1
+    FMNIST clients of 9.7k-17.9k samples on 2 workers) finishes its clients' work after 31.4k
+    samples of the busiest worker instead of 38.6k in id order (~18% sooner). The data
+    partitions are virtual (every process derives the same split), so this only relabels which
+    node trains which client; uploads carry the client id. Out-of-range ids are returned as
+    they are (the split reports them)."""
+    sizes = [len(rows) for rows in federated_split(settings).client_indices]
+    if not 0 <= partition_id < len(sizes):
+        return partition_id
+    return sorted(range(len(sizes)), key=lambda c: (-sizes[c], c))[partition_id]
