@@ -229,12 +229,14 @@ class _Conv2d(_Layer):
         if not inputs.is_contiguous():
             inputs = self.buffer("inputs", inputs.shape).copy_(inputs)
         self.inputs = inputs
-        outs = [F.conv2d(inputs[i], self.weight[i], None if self.bias is None else self.bias[i],
-                         self.conv.stride, self.conv.padding, self.conv.dilation)
-                for i in range(m)]
-        ho, wo = outs[0].shape[-2:]
+        ho = (height + 2 * self.ph - self.dh * (self.kh - 1) - 1) // self.sh + 1
+        wo = (width + 2 * self.pw - self.dw * (self.kw - 1) - 1) // self.sw + 1
         out = self.buffer("out", (m, b, self.out_channels, ho, wo))
-        torch.stack(outs, out=out)
+        for i in range(m):  # into the stacked buffer directly (a stack of outputs: +20%)
+            torch.ops.aten.convolution.out(
+                inputs[i], self.weight[i], None if self.bias is None else self.bias[i],
+                list(self.conv.stride), [self.ph, self.pw], list(self.conv.dilation), False,
+                [0, 0], 1, out=out[i])
         return out.transpose(1, 2)
 
     def _backward_native(self, g: torch.Tensor) -> torch.Tensor | None:
