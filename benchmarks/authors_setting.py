@@ -5,15 +5,30 @@ seed 0, 20 local epochs, T = 0.1, sigma^2 = 0.1, 300 server steps with validatio
 one live ``flwr run`` (the product path: SuperLink + Ray, 5 SuperNodes of one CPU each), with
 nothing else asked of the clients. Memory is sampled every 0.2 s from /proc while it runs:
 
-* ``machine_peak_gb``: peak of (MemTotal - MemAvailable) minus its value before the launch,
-  i.e. the RAM the whole run (SuperLink, Ray, client actors, server) took from the machine,
-  shared pages counted once;
-* ``largest_process_peak_gb``: the largest resident set of any single process it started.
+* ``peak_gb``: peak of (MemTotal - MemAvailable) minus its value before the launch, i.e. the
+  RAM the whole run (SuperLink, Ray, client actors, server) took from the machine, shared
+  pages counted once; on a shared machine this includes what other programs took meanwhile,
+  so ``run_anon_peak_gb`` is reported too: the peak over time of the summed anonymous memory
+  (``RssAnon``) of the run's own processes (they carry an environment tag), which, like the
+  machine-wide figure, leaves out shared library code;
+* ``largest_process_peak_gb``: the largest resident set of any single process it started;
+  ``largest_client_peak_gb`` the same over the client processes (Ray's ``ClientAppActor``
+  workers), ``processes`` the peak of each kind of process (resident set: shared library
+  pages count in every process that maps them, once in the machine-wide figure).
+
+The wall time is split into: ``start-up`` (SuperLink, Ray and the ServerApp process up to
+the ServerApp's first line of work, plus their shutdown: the launch's wall minus the
+ServerApp's own), ``server setup`` (the ServerApp's data loading, strategy and initial models:
+its wall minus the client phase, fusion and evaluation), the ``client phase`` (from sending the
+train messages to holding every reply, 5 clients on 2 cores) and, within it, the clients'
+summed CPU-side times (one thread each): ``data loading``, ``training``, ``fit`` (Kron) and
+``other`` (model set-up, upload encoding; the rest of each client's handling of its message),
+then ``server`` (fusion: the FedBEns optimisation) and ``evaluation`` (test set).
 
 The authors' figures (``../shared/notes/fedbens-reference-run.md``: their code, same setting,
 this kind of machine, one process with 2 threads) are printed beside ours.
 
-    .venv/bin/python benchmarks/authors_setting.py        # about 6 minutes on 2 quiet cores
+    .venv/bin/python benchmarks/authors_setting.py        # a few minutes on 2 quiet cores
 
 Prints a table and writes benchmarks/results/authors_setting.json.
 """
@@ -54,23 +69,85 @@ def _rss_kb(pid: str) -> int:
     return 0
 
 
-class MemorySampler(threading.Thread):
-    """Peak machine memory above the baseline, and the largest new process, every 0.2 s."""
+def _name(pid: str) -> str:
+    """A short kind for a process: its command's program, or Ray's actor/worker title."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    first = args[0].decode(errors="replace")
+    if first.startswith("ray::"):
+        return first.split()[0]
+    for arg in args[:3]:
+        text = arg.decode(errors="replace")
+        if "flwr" in text or "flower" in text or "ray" in text.lower() or "gcs" in text:
+            return Path(text).name
+    return Path(first).name
 
-    def __init__(self) -> None:
+
+#: an environment variable every process of this run inherits (the detached SuperLink, Ray
+#: and its workers included): other programs on a shared machine are not counted
+TAG = "FEDFUSION_BENCH_RUN"
+
+
+def _ours(pid: str, tag: bytes) -> bool:
+    try:
+        return tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _anon_kb(pid: str) -> int:
+    """Private memory of a process: anonymous pages (not shared library code)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class MemorySampler(threading.Thread):
+    """Every 0.2 s: machine memory above the baseline, each process of this run's peak, and
+    the run's total anonymous memory (summed over its processes)."""
+
+    def __init__(self, tag: str) -> None:
         super().__init__(daemon=True)
+        self.tag = tag.encode()
         self.baseline_kb = _meminfo_used_kb()
-        self.before = {p.name for p in Path("/proc").iterdir() if p.name.isdigit()}
         self.peak_kb = 0
-        self.largest_kb = 0
+        self.anon_peak_kb = 0
+        self.process_peak_kb: dict[str, tuple[str, int]] = {}  # pid -> (kind, peak)
         self.stop = threading.Event()
 
     def run(self) -> None:
+        known: dict[str, bool] = {}
         while not self.stop.wait(0.2):
             self.peak_kb = max(self.peak_kb, _meminfo_used_kb() - self.baseline_kb)
+            anon = 0
             for proc in Path("/proc").iterdir():
-                if proc.name.isdigit() and proc.name not in self.before:
-                    self.largest_kb = max(self.largest_kb, _rss_kb(proc.name))
+                pid = proc.name
+                if not pid.isdigit():
+                    continue
+                if pid not in known:
+                    known[pid] = _ours(pid, self.tag)
+                if not known[pid]:
+                    continue
+                rss = _rss_kb(pid)
+                anon += _anon_kb(pid)
+                kind, peak = self.process_peak_kb.get(pid, ("", 0))
+                if rss > peak:
+                    # ray renames its workers once they host an actor: keep the last name
+                    self.process_peak_kb[pid] = (_name(pid) or kind, rss)
+            self.anon_peak_kb = max(self.anon_peak_kb, anon)
+
+    def by_kind(self) -> dict[str, float]:
+        """Peak resident set (GB) of the largest process of each kind."""
+        kinds: dict[str, float] = {}
+        for kind, peak in self.process_peak_kb.values():
+            kinds[kind] = max(kinds.get(kind, 0.0), peak / 2**20)
+        return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -78,56 +155,107 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-authors-setting"))
     parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local-epochs", type=int, default=20,
+                        help="20 is the authors' setting; fewer for a quick look")
     args = parser.parse_args()
-    name = f"a{args.alpha:g}-s{args.seed}"
+    name = f"a{args.alpha:g}-s{args.seed}" + (
+        f"-e{args.local_epochs}" if args.local_epochs != 20 else "")
     done = Path(args.out) / name / "results.json"
     if done.is_file():
         done.unlink()  # always a fresh run: this script measures time and memory
-    sampler = MemorySampler()
+    tag = f"{TAG}={os.getpid()}-{time.time_ns()}"
+    os.environ[TAG] = tag.split("=", 1)[1]
+    sampler = MemorySampler(tag)
     load_start = os.getloadavg()
     sampler.start()
     start = time.perf_counter()
     results = live_run(f"strategy=fedbens alpha={args.alpha} seed={args.seed} num-clients=5 "
-                       "num-members=5 local-epochs=20 hessian-structure=kron", args.out, name)
+                       f"num-members=5 local-epochs={args.local_epochs} hessian-structure=kron",
+                       args.out, name)
     launch_s = time.perf_counter() - start
     sampler.stop.set()
     sampler.join()
     timing = results["timing"]
     clients = results["clients"]
+    kinds = sampler.by_kind()
+    client_kinds = [k for k in kinds if "ClientAppActor" in k]
+    fit_s = sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients)
+    load_s = sum(c.get("load_time_s", 0.0) for c in clients)
+    client_s = sum(c.get("client_time_s", 0.0) for c in clients)
     ours = {
         "accuracy_pct": 100 * results["test"]["accuracy"], "nll": results["test"]["nll"],
         "client_train_s": timing["client_train_s_sum"],
-        "client_fit_s": sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients),
+        "client_fit_s": fit_s,
         "client_round_s": timing["client_round_s"],
         "server_s": timing["server_fuse_s"], "wall_s": launch_s,
-        "peak_gb": sampler.peak_kb / 2**20, "largest_process_peak_gb": sampler.largest_kb / 2**20,
+        "peak_gb": sampler.peak_kb / 2**20,
+        "run_anon_peak_gb": sampler.anon_peak_kb / 2**20,
+        "largest_process_peak_gb": max(kinds.values(), default=0.0),
+        "largest_client_peak_gb": max((kinds[k] for k in client_kinds), default=0.0),
+    }
+    split = {
+        "start-up (SuperLink, Ray, ServerApp process; shutdown)": launch_s - timing["wall_s"],
+        "server setup (data loading, strategy, initial models)": timing["wall_s"] - timing[
+            "client_round_s"] - timing["server_fuse_s"] - timing["server_eval_s"],
+        "client phase, wall (5 clients on 2 cores)": timing["client_round_s"],
+        "  clients' data loading, summed": load_s,
+        "  clients' training, summed": ours["client_train_s"],
+        "  clients' Kron fit, summed": fit_s,
+        "  clients' other (set-up, upload encoding), summed": client_s - load_s - ours[
+            "client_train_s"] - sum(c["stats_time_s"] for c in clients),
+        "server (FedBEns fusion)": timing["server_fuse_s"],
+        "evaluation (test set)": timing["server_eval_s"],
     }
     rows = [
         ("test accuracy (%)", "accuracy_pct", ".2f"),
         ("test NLL", "nll", ".3f"),
-        ("client training, s (ours: sum of 25 members, 1 thread each)", "client_train_s", ".0f"),
+        ("client training, s (ours: sum over 5 clients, 1 thread each)", "client_train_s",
+         ".0f"),
         ("client Kron fit, s (ours: sum of 25 members)", "client_fit_s", ".0f"),
         ("client phase wall, s (train + fit + upload, 5 clients on 2 cores)", "client_round_s",
          ".0f"),
         ("server (5 modes x 300 steps + selection), s", "server_s", ".1f"),
         ("whole run incl. SuperLink + Ray start, s", "wall_s", ".0f"),
         ("peak memory, GB (ours: machine-wide, whole run)", "peak_gb", ".2f"),
+        ("peak memory, GB (ours: the run's processes, anonymous pages summed)",
+         "run_anon_peak_gb", ".2f"),
         ("largest single process, GB", "largest_process_peak_gb", ".2f"),
+        ("largest client process, GB", "largest_client_peak_gb", ".2f"),
     ]
     authors = {**AUTHORS, "client_round_s": AUTHORS["client_train_s"] + AUTHORS["client_fit_s"],
-               "largest_process_peak_gb": AUTHORS["peak_gb"]}
+               "run_anon_peak_gb": AUTHORS["peak_gb"],
+               "largest_process_peak_gb": AUTHORS["peak_gb"],
+               "largest_client_peak_gb": AUTHORS["peak_gb"]}
+    load_end = os.getloadavg()
     print(f"\nFedBEns, FMNIST LeNet, C=5, M=5, Kron, alpha {args.alpha:g}, seed {args.seed} "
-          f"(load average before: {load_start[0]:.2f})")
+          f"(load average before: {load_start[0]:.2f}, after: {load_end[0]:.2f})")
     print("| measure | fedfusion | authors' code |")
     print("|---|---|---|")
     for label, key, spec in rows:
         print(f"| {label} | {format(ours[key], spec)} | {format(authors[key], spec)} |")
-    RESULTS.write_text(json.dumps({
-        "alpha": args.alpha, "seed": args.seed, "ours": ours, "authors": AUTHORS,
-        "fit_over_train": ours["client_fit_s"] / ours["client_train_s"],
-        "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+    print(f"\nKron fit / training: {100 * fit_s / ours['client_train_s']:.1f}%")
+    print("\n| where the time went | s |")
+    print("|---|---|")
+    for label, seconds in split.items():
+        print(f"| {label} | {seconds:.1f} |")
+    print("\n| process (largest of its kind) | peak resident set, GB |")
+    print("|---|---|")
+    for kind, gb in kinds.items():
+        if gb >= 0.05:
+            print(f"| {kind} | {gb:.2f} |")
+    target = RESULTS if args.local_epochs == 20 else RESULTS.with_name(
+        f"authors_setting-e{args.local_epochs}.json")
+    target.write_text(json.dumps({
+        "alpha": args.alpha, "seed": args.seed, "local_epochs": args.local_epochs,
+        "ours": ours, "authors": AUTHORS,
+        "fit_over_train": fit_s / ours["client_train_s"], "time_split_s": split,
+        "process_peak_gb": kinds, "per_client": [
+            {k: c.get(k) for k in ("client_id", "num_examples", "train_time_s", "load_time_s",
+                                   "client_time_s", "section_time_s", "upload_mb")}
+            for c in clients],
+        "load_avg_start": load_start, "load_avg_end": load_end,
         "run": str(done.parent)}, indent=1))
-    print(f"saved {RESULTS}")
+    print(f"saved {target}")
 
 
 if __name__ == "__main__":

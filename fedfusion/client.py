@@ -29,7 +29,8 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fedfusion.curvature import import_laplace
+from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
+from fedfusion.curvature.fit import uses_laplace
 from fedfusion.evaluation import LabelledData, as_labelled
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 from fedfusion.uploads import CURVATURE_PREFIX, SectionOptions, build_section
@@ -93,6 +94,7 @@ def make_upload(
     model_kwargs: Mapping[str, Any] | None = None,
     num_classes: int | None = None,
     metrics: Mapping[str, float | int] | None = None,
+    started: float | None = None,
     **options: Any,
 ) -> ClientUpload:
     """The upload of a client's trained ``models`` (its members) on its data ``(x, y)``.
@@ -117,6 +119,9 @@ def make_upload(
         Length of the class histogram; default: the models' output size.
     metrics : mapping, optional
         More metrics to report (e.g. a ``weighted_by_key`` for FedAvg).
+    started : float, optional
+        ``time.perf_counter()`` when the client began its work: the upload then reports its
+        whole time as ``client-time-s``.
     **options
         How sections are computed: ``curvature_backend`` ("" = measured default),
         ``curvature_batch_size`` (256), ``curvature_rank`` (0 = all eigenpairs),
@@ -135,7 +140,9 @@ def make_upload(
             from exc
     optional = [s for s in optional_sections if s not in sections]
     wanted = [*sections, *optional]
-    if any(section.startswith(CURVATURE_PREFIX) for section in wanted):
+    backend = section_options.curvature_backend or DEFAULT_BACKEND
+    if any(section.startswith(CURVATURE_PREFIX) and uses_laplace(
+            models[0], section.removeprefix(CURVATURE_PREFIX), backend) for section in wanted):
         # once per process, before the timed fits (else member 0's fit carries it)
         import_s = import_laplace()
         if import_s > 0:
@@ -178,6 +185,7 @@ def make_upload(
             **{f"time-s/{section}": t for section, t in section_s.items()},
             "class-histogram": [int(v) for v in histogram],
             **dict(metrics or {}),
+            **({"client-time-s": time.perf_counter() - started} if started is not None else {}),
         },
     )
 

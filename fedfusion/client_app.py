@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, encode_upload
-from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_local
+from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
 
 log = logging.getLogger("fedfusion")
 
@@ -122,29 +123,35 @@ def run_client(
     ``previous[m]`` is member m's model after this client's previous round (for the
     contrastive term of ``objective``)."""
     torch.set_num_threads(settings.client_threads)
+    started = time.perf_counter()
     split = federated_split(settings)
     x, y = split.client_data(client_id)
+    load_s = time.perf_counter() - started  # ~0 after this process's first client
     bundle = split.bundle
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
     train_config = TrainConfig(settings.local_epochs, settings.lr, settings.momentum,
                                settings.batch_size)
     models: list[nn.Module] = []
+    seeds: list[int] = []
+    member_terms: list[list[LossTerm]] = []
+    with ExitStack() as stack:
+        for m in range(settings.num_members):
+            seeds.append(member_seed(settings, client_id, m, server_round))
+            torch.manual_seed(seeds[-1])
+            models.append(model := spec.build())
+            if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
+                model.load_state_dict({k: torch.from_numpy(v.copy())
+                                       for k, v in inits[m].items()})
+            member_terms.append(loss_terms(model, objective,
+                                           previous[m] if m < len(previous) else None, stack))
+        # all members in one computation where the model allows it (fedfusion.stacked)
+        all_stats = train_members(models, x, y, train_config, seeds, member_terms)
     train_s = 0.0
     contrastive_members = 0
-    for m in range(settings.num_members):
-        seed = member_seed(settings, client_id, m, server_round)
-        torch.manual_seed(seed)
-        model = spec.build()
-        if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
-            model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in inits[m].items()})
-        with ExitStack() as stack:
-            terms = loss_terms(model, objective, previous[m] if m < len(previous) else None,
-                               stack)
-            stats = train_local(model, x, y, train_config, seed, terms)
+    for m, (terms, stats) in enumerate(zip(member_terms, all_stats, strict=True)):
         contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
         extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
-        models.append(model)
         train_s += stats.seconds
         log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
                  client_id, m + 1, settings.num_members, len(y), stats.seconds,
@@ -152,10 +159,10 @@ def run_client(
     return make_upload(
         models, x, y, sections, optional_sections=optional_sections, client_id=client_id,
         model_name=spec.name, model_kwargs=spec.kwargs, num_classes=bundle.num_classes,
-        metrics={"train-time-s": train_s,
+        metrics={"train-time-s": train_s, "load-time-s": load_s,
                  **({"contrastive-members": contrastive_members}
                     if objective.contrastive_weight > 0 else {})},
-        **section_options(settings))
+        **section_options(settings), started=started)
 
 
 def section_options(settings: Settings) -> dict[str, Any]:

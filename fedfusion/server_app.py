@@ -212,6 +212,9 @@ def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
         "class_histogram": u.metrics.get("class-histogram"),
         "train_time_s": float(u.metrics.get("train-time-s", 0.0)),
         "stats_time_s": float(u.metrics.get("stats-time-s", 0.0)),
+        # the client's data loading, and its whole handling of the train message
+        "load_time_s": float(u.metrics.get("load-time-s", 0.0)),
+        "client_time_s": float(u.metrics.get("client-time-s", 0.0)),
         "section_time_s": {k.removeprefix("time-s/"): float(v) for k, v in u.metrics.items()
                            if k.startswith("time-s/")},
         "upload_mb": u.nbytes / 1e6,

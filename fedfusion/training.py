@@ -102,3 +102,79 @@ def train_local(
         samples=n * config.epochs,
         final_loss=float(loss.detach()),
     )
+
+
+def train_members(
+    models: Sequence[nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: TrainConfig,
+    seeds: Sequence[int],
+    loss_terms: Sequence[Sequence[LossTerm]] | None = None,
+) -> list[TrainStats]:
+    """Train every ``models[m]`` in place as ``train_local(models[m], x, y, config, seeds[m],
+    loss_terms[m])`` does: the same SGD, the same number of steps, member m's own batch order
+    (``seeds[m]``), momentum buffer and loss terms.
+
+    Members of an architecture the stacked engine knows (:mod:`fedfusion.stacked`: chains of
+    convolutions, linear layers, ReLU, 2x2 max-pools and flattening, as the model zoo's) train
+    as one computation, equal to the one-by-one result up to float summation order; any other
+    model, or a loss term other than a :class:`ProximalTerm` on the member itself, trains one
+    member after the other with :func:`train_local`. Members whose feature maps are large
+    train in chunks of fewer members (:data:`CHUNK_BYTES`). The stacked engine reports one
+    wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``."""
+    from fedfusion.stacked import compile_members, train_stacked
+
+    if len(seeds) != len(models):
+        raise ValueError(f"train_members got {len(models)} models and {len(seeds)} seeds")
+    terms = [list(t) for t in loss_terms] if loss_terms is not None else [[] for _ in models]
+    if len(terms) != len(models):
+        raise ValueError(f"train_members got {len(models)} models and {len(terms)} "
+                         "lists of loss terms")
+    for model in models:
+        model.train()
+    size = _members_per_chunk(models, x, config.batch_size)
+    chunks = [slice(begin, begin + size) for begin in range(0, len(models), size)]
+    nets = [compile_members(models[chunk], x, terms[chunk]) for chunk in chunks]
+    if not nets or any(net is None for net in nets):
+        return [train_local(model, x, y, config, seed, member_terms)
+                for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
+    stats: list[TrainStats] = []
+    for net, chunk in zip(nets, chunks, strict=True):
+        assert net is not None
+        seconds, losses = train_stacked(net, x, y, config.epochs, config.lr, config.momentum,
+                                        config.batch_size, seeds[chunk])
+        stats += [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
+                             final_loss=loss) for loss in losses]
+    for model in models:
+        model.eval()
+    return stats
+
+
+#: feature maps (and their gradients) of one stacked chunk of members, per step: above a
+#: few tens of MB the chunk's maps leave the caches, and stacking stops paying (the CNN:
+#: 1.17x today's loop one member at a time, 1.03x for five at once; LeNet: 2.0x for five,
+#: 1.7x for one; benchmarks/throughput.py)
+CHUNK_BYTES = 32 * 2**20
+
+
+def _members_per_chunk(models: Sequence[nn.Module], x: torch.Tensor, batch_size: int) -> int:
+    """How many members one stacked computation holds (see :data:`CHUNK_BYTES`)."""
+    if not models or len(x) == 0:
+        return max(1, len(models))
+    sizes: list[int] = []
+    hooks = [module.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel()))
+             for module in models[0].modules() if not list(module.children())]
+    was_training = models[0].training
+    models[0].eval()  # no side effects (BatchNorm statistics) from this probe
+    try:
+        with torch.no_grad():
+            models[0](x[:1])
+    except Exception:  # a model the stacked engine cannot run falls back anyway
+        return len(models)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        models[0].train(was_training)
+    per_member = 2 * 4 * batch_size * sum(sizes)  # float32 maps and their gradients
+    return max(1, min(len(models), CHUNK_BYTES // max(per_member, 1)))

@@ -112,6 +112,16 @@ def import_laplace() -> float:
     return time.perf_counter() - start
 
 
+def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEND) -> bool:
+    """Whether :func:`fit_curvature` of ``model`` with ``structure`` and ``backend`` goes
+    through laplace-torch (a client need not import it, ~2 s and 0.3 GB, when it does not)."""
+    if structure == "kron" and backend == "asdl_mc":
+        from fedfusion.curvature.fast_kron import supports
+
+        return not supports(model)
+    return True
+
+
 def _laplace(
     model: nn.Module,
     loader: DataLoader,
@@ -230,6 +240,12 @@ def fit_curvature(
         seed=seed,
     )
     if structure == "kron":
+        if backend == "asdl_mc":  # the same factors without laplace-torch, where it can
+            from fedfusion.curvature.fast_kron import kron_mc_factors
+
+            matrices = kron_mc_factors(model, x, seed, batch_size)
+            if matrices is not None:
+                return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var)
         la = fit_laplace(model, x, y, "kron", **common)
         return kron_from_laplace(la, shapes, temperature, prior_var)
     if diagonal is None:

@@ -19,9 +19,15 @@ Where the data comes from, first match wins:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
+import hashlib
+import json
+import mmap
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,14 +296,35 @@ def load_dataset(
     client per call and the dataset must not be re-read each time. The environment
     variable FEDFUSION_DATA_DIR is read when an argument tuple is first loaded; call
     ``load_dataset.cache_clear()`` after changing it. An empty ``data_dir`` counts as unset.
+
+    Datasets read from IDX files (fmnist, mnist) are also cached across processes: the
+    first process to load one writes the normalised arrays to ``FEDFUSION_DATA_CACHE``
+    (default ``~/.cache/fedfusion/datasets``; ``off`` disables it), keyed by the source files
+    (path, size, modification time), ``val_size`` and ``seed``; later processes map them
+    copy-on-write instead of decompressing and normalising again. Every process of a
+    simulation (the server, each client actor) then shares one copy of the pages: ~0.2 GB of
+    private memory less per process for Fashion-MNIST, and ~0.05 s instead of ~1 s.
     """
     if name not in _SPECS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if val_size < 0:
         raise ValueError(f"val_size must be >= 0, got {val_size}")
     chosen_dir = data_dir or os.environ.get(DATA_DIR_ENV) or None
-    raw = _load_raw(name, Path(chosen_dir).expanduser() if chosen_dir else None)
+    folder = Path(chosen_dir).expanduser() if chosen_dir else None
+    cached = _cache_folder(name, folder, val_size, seed)
+    if cached is not None:
+        bundle = _read_cache(cached)
+        if bundle is not None:
+            return bundle
+    bundle = _build_bundle(name, folder, val_size, seed)
+    if cached is not None and _write_cache(cached, bundle):
+        # this process, too, drops its private copy for the shared pages
+        return _read_cache(cached) or bundle
+    return bundle
 
+
+def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int) -> DatasetBundle:
+    raw = _load_raw(name, folder)
     spec = _SPECS[name]
     train_images, train_labels = raw["train"]
     test_images, test_labels = raw["test"]
@@ -318,3 +345,97 @@ def load_dataset(
         val_indices=val_indices,
         train_indices=train_indices,
     )
+
+
+# --- cross-process cache of normalised IDX datasets ----------------------------------
+
+CACHE_ENV = "FEDFUSION_DATA_CACHE"
+DEFAULT_CACHE_DIR = Path("~/.cache/fedfusion/datasets")
+_CACHE_VERSION = 1
+_CACHE_ARRAYS = ("train_x", "train_y", "val_x", "val_y", "test_x", "test_y", "val_indices",
+                 "train_indices")
+
+
+def _idx_sources(name: str, folder: Path | None) -> list[Path] | None:
+    """The IDX files :func:`_load_raw` reads for ``name`` (same order of sources), or None
+    when it would go to torchvision."""
+    if not _SPECS[name].has_idx_files:
+        return None
+    candidates = ([folder] if folder is not None else []) + (
+        [DEBIAN_FMNIST_DIR] if name == "fmnist" else [])
+    for candidate in candidates:
+        files = [_find_idx_file(candidate, stem) for pair in _IDX_FILES.values() for stem in pair]
+        if all(f is not None for f in files):
+            return [f for f in files if f is not None]
+    return None
+
+
+def _cache_folder(name: str, folder: Path | None, val_size: int, seed: int) -> Path | None:
+    setting = os.environ.get(CACHE_ENV, "").strip()
+    if setting.lower() in ("off", "0", "false", "no"):
+        return None
+    sources = _idx_sources(name, folder)
+    if sources is None:
+        return None
+    try:
+        identity = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in sources]
+    except OSError:
+        return None
+    key = hashlib.sha256(json.dumps(
+        [_CACHE_VERSION, name, val_size, seed, identity]).encode()).hexdigest()[:24]
+    root = Path(setting).expanduser() if setting else DEFAULT_CACHE_DIR.expanduser()
+    return root / f"{name}-{key}"
+
+
+def _read_cache(folder: Path) -> DatasetBundle | None:
+    """The cached bundle, its images mapped copy-on-write (writes stay private), or None."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        arrays = {k: np.load(folder / f"{k}.npy", mmap_mode="c" if k.endswith("_x") else None)
+                  for k in _CACHE_ARRAYS}
+    except (OSError, ValueError):
+        return None
+
+    for key in ("train_x", "val_x", "test_x"):
+        # a client reads its own rows only: without this, read-ahead and fault-around map
+        # (and count in its resident set) nearly the whole file
+        handle = getattr(arrays[key], "_mmap", None)
+        if handle is not None and hasattr(mmap, "MADV_RANDOM"):
+            with contextlib.suppress(OSError, ValueError):
+                handle.madvise(mmap.MADV_RANDOM)
+
+    def split(prefix: str) -> ImageData:
+        return ImageData(x=torch.from_numpy(arrays[f"{prefix}_x"]),
+                         y=torch.from_numpy(np.asarray(arrays[f"{prefix}_y"], dtype=np.int64)))
+
+    return DatasetBundle(
+        name=meta["name"], num_classes=meta["num_classes"],
+        input_shape=tuple(meta["input_shape"]), mean=tuple(meta["mean"]),
+        std=tuple(meta["std"]), train=split("train"), val=split("val"), test=split("test"),
+        val_indices=np.asarray(arrays["val_indices"]),
+        train_indices=np.asarray(arrays["train_indices"]))
+
+
+def _write_cache(folder: Path, bundle: DatasetBundle) -> bool:
+    """Write ``bundle`` under ``folder`` atomically (a complete folder or none); False if
+    that failed (the caller keeps its in-memory bundle)."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError:
+        return False
+    try:
+        arrays = {"train_x": bundle.train.x, "train_y": bundle.train.y, "val_x": bundle.val.x,
+                  "val_y": bundle.val.y, "test_x": bundle.test.x, "test_y": bundle.test.y,
+                  "val_indices": bundle.val_indices, "train_indices": bundle.train_indices}
+        for key, value in arrays.items():
+            np.save(tmp / f"{key}.npy", np.asarray(value))
+        (tmp / "meta.json").write_text(json.dumps({
+            "name": bundle.name, "num_classes": bundle.num_classes,
+            "input_shape": list(bundle.input_shape), "mean": list(bundle.mean),
+            "std": list(bundle.std)}))
+        os.rename(tmp, folder)  # fails if another process got there first: keep theirs
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return folder.is_dir()

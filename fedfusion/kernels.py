@@ -1,0 +1,442 @@
+"""Small compiled CPU kernels for the stacked trainer (:mod:`fedfusion.stacked`).
+
+At the sizes of the zoo's small models (LeNet: 1 -> 6 -> 16 channels) PyTorch's CPU kernels
+are far from the arithmetic peak: oneDNN computes the weight gradient of a 1-channel 5x5
+convolution at ~1.8 ms per 64-sample batch, ``max_pool2d`` takes ~1 ms forward plus a scatter
+backward. The plain C loops here, with every size a compile-time constant so that the
+compiler keeps the accumulators in vector registers, do the same work in a fraction of that
+(``benchmarks/throughput.py``).
+
+The C source is generated from the layer's sizes (integers only), compiled once per machine
+with the system C compiler (``$CC``, else ``cc``) into a cache folder and loaded with
+``ctypes``: no torch headers, so a compile takes ~0.5 s. Everything is optional: without a
+compiler (or with ``FEDFUSION_NO_KERNELS=1``) the getters return None and the stacked trainer
+uses its PyTorch ops instead. The kernels are single-threaded and deterministic; their float
+summation order differs from PyTorch's, so results agree to float tolerance, not bitwise.
+
+Layout: every map is per-member NCHW, ``[M, B, C, H, W]`` contiguous, float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fedfusion")
+
+DISABLE_ENV = "FEDFUSION_NO_KERNELS"
+CACHE_ENV = "FEDFUSION_KERNEL_CACHE"
+_FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared")
+#: vector registers the accumulators of a convolution kernel may use (AVX2 has 16)
+_ACC_REGISTERS = 12
+_FLOATS_PER_VECTOR = 8
+
+_POOL_SOURCE = r"""
+/* 2x2 max-pool, stride 2, over `planes` maps of h x w floats; arg (0..3) is the first
+   maximum in row-major window order, as PyTorch's max_pool2d picks it; with relu the
+   output is max(0, max) and arg is -1 (no gradient) where the maximum is <= 0.
+   Written so that the compiler vectorizes it: selects of one type, int arithmetic on the
+   comparisons (a version with `?:` on mixed types compiled to branches, 10x slower). */
+void pool2_fwd(const float* restrict a, float* restrict out, int* restrict arg,
+               long planes, long h, long w, int relu) {
+  const long p = h / 2, q = w / 2;
+  for (long n = 0; n < planes; n++) {
+    const float* src = a + n * h * w;
+    for (long i = 0; i < p; i++) {
+      const float* r0 = src + 2 * i * w;
+      const float* r1 = r0 + w;
+      float* d = out + (n * p + i) * q;
+      int* s = arg + (n * p + i) * q;
+      for (long j = 0; j < q; j++) {
+        const float v00 = r0[2 * j], v01 = r0[2 * j + 1], v10 = r1[2 * j], v11 = r1[2 * j + 1];
+        const int top = v01 > v00, bottom = v11 > v10;
+        const float t = v01 > v00 ? v01 : v00, b = v11 > v10 ? v11 : v10;
+        const int down = b > t;
+        s[j] = top + down * (2 + bottom - top);
+        d[j] = b > t ? b : t;
+      }
+      if (relu)
+        for (long j = 0; j < q; j++) {
+          const int pass = d[j] > 0.0f;
+          s[j] = pass * (s[j] + 1) - 1;
+          d[j] = d[j] > 0.0f ? d[j] : 0.0f;
+        }
+    }
+  }
+}
+
+/* gradient of pool2_fwd: grad_in is overwritten (zero except at the chosen maxima).
+   A zeroing pass, then one store per window, without branches: where arg is -1 it stores
+   a zero into corner 3, which the zeroing pass already holds (the faster of the variants
+   measured; branches on the choices, which are coin flips, were 5x slower). */
+void pool2_bwd(const float* restrict g, const int* restrict arg, float* restrict grad_in,
+               long planes, long h, long w) {
+  const long p = h / 2, q = w / 2;
+  for (long k = 0; k < planes * h * w; k++) grad_in[k] = 0.0f;
+  for (long n = 0; n < planes; n++) {
+    float* dst = grad_in + n * h * w;
+    const float* src = g + n * p * q;
+    const int* sel = arg + n * p * q;
+    for (long i = 0; i < p; i++)
+      for (long j = 0; j < q; j++) {
+        const int k = sel[i * q + j];
+        const int corner = k & 3;
+        dst[(2 * i + (corner >> 1)) * w + 2 * j + (corner & 1)] =
+            src[i * q + j] * (float)(k >= 0);
+      }
+  }
+}
+"""
+
+
+def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
+    """Direct convolution (stride 1, no padding) forward, weight and input gradients for
+    ``[M, B, C, H, W]`` maps and ``[M, O, C, KH, KW]`` weights, all sizes but M and B fixed.
+
+    Forward and input gradient keep an ``[OB, WO]`` (resp. ``[CB, W]``) block of output rows
+    in registers while they run over the reduction; the weight gradient keeps ``[OB, WO]``
+    partial sums per kernel tap. The input gradient is the forward correlation of the
+    zero-padded output gradient with the flipped, transposed kernel."""
+    ho, wo = h - kh + 1, w - kw + 1
+    for name, value in (("c", c), ("o", o), ("h", h), ("w", w), ("kh", kh), ("kw", kw),
+                        ("ho", ho), ("wo", wo)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"convolution kernel size {name} must be a positive int, got "
+                             f"{value!r}")
+    ob = _block(o, wo)
+    # input gradient: a forward pass over the padded gradient (HP x WP) with C outputs
+    hp, wp = ho + 2 * (kh - 1), wo + 2 * (kw - 1)
+    cb = _block(c, w)
+    return rf"""
+#define C_ {c}
+#define O_ {o}
+#define H_ {h}
+#define W_ {w}
+#define KH {kh}
+#define KW {kw}
+#define HO {ho}
+#define WO {wo}
+#define OB {ob}
+#define HP {hp}
+#define WP {wp}
+#define CB {cb}
+
+/* out[m,b,o,i,j] = bias[m,o] + sum_{{c,ki,kj}} w[m,o,c,ki,kj] x[m,b,c,i+ki,j+kj] */
+void conv_fwd(const float* restrict x, const float* restrict wt, const float* restrict bias,
+              float* restrict out, long members, long batch) {{
+  for (long m = 0; m < members; m++)
+    for (long b = 0; b < batch; b++) {{
+      const float* xb = x + (m * batch + b) * C_ * H_ * W_;
+      const float* wm = wt + m * O_ * C_ * KH * KW;
+      float* ob_ = out + (m * batch + b) * O_ * HO * WO;
+      for (int i = 0; i < HO; i++)
+        for (int o0 = 0; o0 < O_; o0 += OB) {{
+          float acc[OB][WO];
+          for (int o = 0; o < OB; o++) {{
+            const float init = bias ? bias[m * O_ + o0 + o] : 0.0f;
+            for (int j = 0; j < WO; j++) acc[o][j] = init;
+          }}
+          for (int c = 0; c < C_; c++)
+            for (int ki = 0; ki < KH; ki++) {{
+              const float* xr = xb + (c * H_ + i + ki) * W_;
+              for (int kj = 0; kj < KW; kj++)
+                for (int o = 0; o < OB; o++) {{
+                  const float wv = wm[(((o0 + o) * C_ + c) * KH + ki) * KW + kj];
+                  for (int j = 0; j < WO; j++) acc[o][j] += wv * xr[j + kj];
+                }}
+            }}
+          for (int o = 0; o < OB; o++)
+            for (int j = 0; j < WO; j++) ob_[((o0 + o) * HO + i) * WO + j] = acc[o][j];
+        }}
+    }}
+}}
+
+/* dw[m,o,c,ki,kj] = sum_{{b,i,j}} g[m,b,o,i,j] x[m,b,c,i+ki,j+kj] */
+void conv_wgrad(const float* restrict x, const float* restrict g, float* restrict dw,
+                long members, long batch) {{
+  for (long m = 0; m < members; m++)
+    for (int c = 0; c < C_; c++)
+      for (int ki = 0; ki < KH; ki++)
+        for (int kj = 0; kj < KW; kj++)
+          for (int o0 = 0; o0 < O_; o0 += OB) {{
+            float acc[OB][WO];
+            for (int o = 0; o < OB; o++)
+              for (int j = 0; j < WO; j++) acc[o][j] = 0.0f;
+            for (long b = 0; b < batch; b++) {{
+              const float* xb = x + ((m * batch + b) * C_ + c) * H_ * W_;
+              const float* gb = g + ((m * batch + b) * O_ + o0) * HO * WO;
+              for (int i = 0; i < HO; i++) {{
+                const float* xr = xb + (i + ki) * W_ + kj;
+                for (int o = 0; o < OB; o++)
+                  for (int j = 0; j < WO; j++) acc[o][j] += gb[(o * HO + i) * WO + j] * xr[j];
+              }}
+            }}
+            for (int o = 0; o < OB; o++) {{
+              float s = 0.0f;
+              for (int j = 0; j < WO; j++) s += acc[o][j];
+              dw[((((m * O_) + o0 + o) * C_ + c) * KH + ki) * KW + kj] = s;
+            }}
+          }}
+}}
+
+/* dx[m,b,c,y,x] = sum_{{o,ki,kj}} w[m,o,c,ki,kj] g[m,b,o,y-ki,x-kj] (zero outside),
+   computed as the correlation of the zero-padded g with the flipped kernel; `padded`
+   holds one sample's padded gradient (O_ * HP * WP floats), `flipped` one member's flipped
+   kernel (C_ * O_ * KH * KW floats) */
+void conv_dgrad(const float* restrict g, const float* restrict wt, float* restrict dx,
+                float* restrict padded, float* restrict flipped, long members, long batch) {{
+  for (int k = 0; k < O_ * HP * WP; k++) padded[k] = 0.0f;
+  for (long m = 0; m < members; m++) {{
+    const float* wm = wt + m * O_ * C_ * KH * KW;
+    for (int o = 0; o < O_; o++)
+      for (int c = 0; c < C_; c++)
+        for (int ki = 0; ki < KH; ki++)
+          for (int kj = 0; kj < KW; kj++)
+            flipped[((c * O_ + o) * KH + ki) * KW + kj] =
+                wm[((o * C_ + c) * KH + (KH - 1 - ki)) * KW + (KW - 1 - kj)];
+    for (long b = 0; b < batch; b++) {{
+      const float* gb = g + (m * batch + b) * O_ * HO * WO;
+      for (int o = 0; o < O_; o++)
+        for (int i = 0; i < HO; i++)
+          for (int j = 0; j < WO; j++)
+            padded[(o * HP + i + KH - 1) * WP + j + KW - 1] = gb[(o * HO + i) * WO + j];
+      float* xb = dx + (m * batch + b) * C_ * H_ * W_;
+      for (int y = 0; y < H_; y++)
+        for (int c0 = 0; c0 < C_; c0 += CB) {{
+          float acc[CB][W_];
+          for (int c = 0; c < CB; c++)
+            for (int j = 0; j < W_; j++) acc[c][j] = 0.0f;
+          for (int o = 0; o < O_; o++)
+            for (int ki = 0; ki < KH; ki++) {{
+              const float* pr = padded + (o * HP + y + ki) * WP;
+              for (int kj = 0; kj < KW; kj++)
+                for (int c = 0; c < CB; c++) {{
+                  const float wv = flipped[(((c0 + c) * O_ + o) * KH + ki) * KW + kj];
+                  for (int j = 0; j < W_; j++) acc[c][j] += wv * pr[j + kj];
+                }}
+            }}
+          for (int c = 0; c < CB; c++)
+            for (int j = 0; j < W_; j++) xb[((c0 + c) * H_ + y) * W_ + j] = acc[c][j];
+        }}
+    }}
+  }}
+}}
+"""
+
+
+def _block(channels: int, width: int) -> int:
+    """The largest divisor of ``channels`` whose ``[block, width]`` accumulators fit in
+    :data:`_ACC_REGISTERS` vector registers (at least 1)."""
+    vectors = -(-width // _FLOATS_PER_VECTOR)
+    limit = max(1, _ACC_REGISTERS // vectors)
+    return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= limit)
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "fedfusion" / "kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_key() -> str:
+    """What a ``-march=native`` build depends on: the CPU's identity and features."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                cpu += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{cpu}"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=64)
+def _library(source: str) -> ctypes.CDLL | None:
+    """Compile ``source`` (or reuse the cached build) and load it; None if that fails."""
+    if disabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler found: the stacked trainer uses PyTorch ops only")
+        return None
+    key = hashlib.sha256("\0".join(
+        [source, compiler, " ".join(_FLAGS), _machine_key(), sys.platform]).encode()).hexdigest()
+    folder = _cache_dir()
+    target = folder / f"fedfusion_{key[:24]}.so"
+    try:
+        if not target.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                c_file = Path(tmp) / "kernel.c"
+                c_file.write_text(source)
+                built = Path(tmp) / "kernel.so"
+                result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(c_file)],
+                                        capture_output=True, text=True, timeout=120)
+                if result.returncode != 0:
+                    log.warning("compiling the stacked trainer's kernels failed (PyTorch ops "
+                                "are used instead): %s", result.stderr.strip()[-2000:])
+                    return None
+                os.replace(built, target)  # atomic: processes compiling at once all succeed
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("the stacked trainer's kernels are unavailable (PyTorch ops are used "
+                    "instead): %s", exc)
+        return None
+
+
+def _pointer(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+def _check(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape \
+            or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous float32 CPU tensor of shape {shape}, "
+                         f"got {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+
+
+@dataclass(frozen=True)
+class ConvKernels:
+    """Compiled direct convolution (stride 1, no padding, no dilation) of fixed sizes."""
+
+    c: int
+    o: int
+    h: int
+    w: int
+    kh: int
+    kw: int
+    lib: ctypes.CDLL
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        return self.h - self.kh + 1, self.w - self.kw + 1
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor) -> torch.Tensor:
+        """``out[m, b] = conv2d(x[m, b], weight[m]) + bias[m]`` for ``x`` ``[M, B, C, H, W]``."""
+        m, b = x.shape[:2]
+        _check(x, (m, b, self.c, self.h, self.w), "input")
+        _check(weight, (m, self.o, self.c, self.kh, self.kw), "weight")
+        if bias is not None:
+            _check(bias, (m, self.o), "bias")
+        _check(out, (m, b, self.o, *self.out_hw), "output")
+        self.lib.conv_fwd(_pointer(x), _pointer(weight), _pointer(bias), _pointer(out),
+                          ctypes.c_long(m), ctypes.c_long(b))
+        return out
+
+    def weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor, grad_weight: torch.Tensor
+                    ) -> torch.Tensor:
+        m, b = x.shape[:2]
+        _check(x, (m, b, self.c, self.h, self.w), "input")
+        _check(grad_out, (m, b, self.o, *self.out_hw), "output gradient")
+        _check(grad_weight, (m, self.o, self.c, self.kh, self.kw), "weight gradient")
+        self.lib.conv_wgrad(_pointer(x), _pointer(grad_out), _pointer(grad_weight),
+                            ctypes.c_long(m), ctypes.c_long(b))
+        return grad_weight
+
+    def input_grad(self, grad_out: torch.Tensor, weight: torch.Tensor, grad_in: torch.Tensor,
+                   scratch: torch.Tensor) -> torch.Tensor:
+        """``scratch``: at least :meth:`scratch_size` floats."""
+        m, b = grad_out.shape[:2]
+        _check(grad_out, (m, b, self.o, *self.out_hw), "output gradient")
+        _check(weight, (m, self.o, self.c, self.kh, self.kw), "weight")
+        _check(grad_in, (m, b, self.c, self.h, self.w), "input gradient")
+        if scratch.dtype != torch.float32 or not scratch.is_contiguous() \
+                or scratch.numel() < self.scratch_size:
+            raise ValueError(f"scratch: need {self.scratch_size} contiguous float32 elements")
+        padded_size = self.o * (self.out_hw[0] + 2 * (self.kh - 1)) * (
+            self.out_hw[1] + 2 * (self.kw - 1))
+        self.lib.conv_dgrad(_pointer(grad_out), _pointer(weight), _pointer(grad_in),
+                            _pointer(scratch), ctypes.c_void_p(
+                                scratch.data_ptr() + 4 * padded_size),
+                            ctypes.c_long(m), ctypes.c_long(b))
+        return grad_in
+
+    @property
+    def scratch_size(self) -> int:
+        ho, wo = self.out_hw
+        return self.o * (ho + 2 * (self.kh - 1)) * (wo + 2 * (self.kw - 1)) + \
+            self.c * self.o * self.kh * self.kw
+
+
+def conv_kernels(c: int, o: int, h: int, w: int, kh: int, kw: int) -> ConvKernels | None:
+    """Compiled kernels of a ``c -> o`` convolution with a ``kh x kw`` kernel on ``h x w``
+    maps (stride 1, no padding), or None when unavailable."""
+    if h < kh or w < kw:
+        return None
+    lib = _library(_conv_source(c, o, h, w, kh, kw))
+    if lib is None:
+        return None
+    for name in ("conv_fwd", "conv_wgrad", "conv_dgrad"):
+        getattr(lib, name).restype = None
+    return ConvKernels(c, o, h, w, kh, kw, lib)
+
+
+@dataclass(frozen=True)
+class PoolKernels:
+    """Compiled 2x2 max-pool (stride 2), optionally fused with a ReLU."""
+
+    lib: ctypes.CDLL
+
+    def forward(self, a: torch.Tensor, out: torch.Tensor, arg: torch.Tensor, relu: bool
+                ) -> torch.Tensor:
+        """``a``: ``[..., H, W]`` contiguous; ``out``: ``[..., H//2, W//2]``; ``arg``: int32 of
+        ``out``'s shape, the choice per window for :meth:`backward`."""
+        h, w = a.shape[-2:]
+        pooled = (*a.shape[:-2], h // 2, w // 2)
+        _check(a, tuple(a.shape), "pool input")
+        _check(out, pooled, "pool output")
+        if arg.dtype != torch.int32 or not arg.is_contiguous() or tuple(arg.shape) != pooled:
+            raise ValueError(f"pool choices: expected contiguous int32 of shape {pooled}")
+        planes = a.numel() // (h * w) if h * w else 0
+        self.lib.pool2_fwd(_pointer(a), _pointer(out), _pointer(arg), ctypes.c_long(planes),
+                           ctypes.c_long(h), ctypes.c_long(w), ctypes.c_int(int(relu)))
+        return out
+
+    def backward(self, grad_out: torch.Tensor, arg: torch.Tensor, grad_in: torch.Tensor
+                 ) -> torch.Tensor:
+        h, w = grad_in.shape[-2:]
+        pooled = (*grad_in.shape[:-2], h // 2, w // 2)
+        _check(grad_out, pooled, "pool output gradient")
+        _check(grad_in, tuple(grad_in.shape), "pool input gradient")
+        if arg.dtype != torch.int32 or not arg.is_contiguous() or tuple(arg.shape) != pooled:
+            raise ValueError(f"pool choices: expected contiguous int32 of shape {pooled}")
+        planes = grad_in.numel() // (h * w) if h * w else 0
+        self.lib.pool2_bwd(_pointer(grad_out), _pointer(arg), _pointer(grad_in),
+                           ctypes.c_long(planes), ctypes.c_long(h), ctypes.c_long(w))
+        return grad_in
+
+
+def pool_kernels() -> PoolKernels | None:
+    """The compiled 2x2 max-pool, or None when unavailable."""
+    lib = _library(_POOL_SOURCE)
+    if lib is None:
+        return None
+    lib.pool2_fwd.restype = None
+    lib.pool2_bwd.restype = None
+    return PoolKernels(lib)

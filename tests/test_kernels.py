@@ -1,0 +1,76 @@
+"""The compiled kernels of the stacked trainer against PyTorch's own ops."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fedfusion import kernels
+
+pytestmark = pytest.mark.skipif(kernels.pool_kernels() is None,
+                                reason="no C compiler: the compiled kernels are unavailable")
+
+
+@pytest.mark.parametrize(("c", "o", "h", "w", "kh", "kw"),
+                         [(1, 6, 28, 28, 5, 5), (6, 16, 12, 12, 5, 5), (3, 4, 9, 7, 3, 2)])
+def test_convolution_kernels_equal_pytorch(c, o, h, w, kh, kw):
+    compiled = kernels.conv_kernels(c, o, h, w, kh, kw)
+    assert compiled is not None
+    g = torch.Generator().manual_seed(0)
+    m, b = 2, 5
+    x = torch.randn(m, b, c, h, w, generator=g)
+    weight = torch.randn(m, o, c, kh, kw, generator=g)
+    bias = torch.randn(m, o, generator=g)
+    ho, wo = compiled.out_hw
+    grad_out = torch.randn(m, b, o, ho, wo, generator=g)
+    out = compiled.forward(x, weight, bias, torch.empty(m, b, o, ho, wo))
+    grad_w = compiled.weight_grad(x, grad_out, torch.empty_like(weight))
+    grad_in = compiled.input_grad(grad_out, weight, torch.empty_like(x),
+                                  torch.empty(compiled.scratch_size))
+    for i in range(m):
+        xi = x[i].clone().requires_grad_()
+        wi = weight[i].clone().requires_grad_()
+        ref = F.conv2d(xi, wi, bias[i])
+        ref.backward(grad_out[i])
+        torch.testing.assert_close(out[i], ref.detach(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad_w[i], wi.grad, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad_in[i], xi.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_convolution_kernels_check_their_arguments():
+    compiled = kernels.conv_kernels(1, 2, 6, 6, 3, 3)
+    assert compiled is not None
+    with pytest.raises(ValueError, match=r"input: expected a contiguous float32 CPU tensor of "
+                                         r"shape \(1, 2, 1, 6, 6\)"):
+        compiled.forward(torch.zeros(1, 2, 1, 6, 5), torch.zeros(1, 2, 1, 3, 3), None,
+                         torch.zeros(1, 2, 2, 4, 4))
+    with pytest.raises(ValueError, match="convolution kernel size c must be a positive int"):
+        kernels.conv_kernels(0, 2, 6, 6, 3, 3)
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize(("h", "w"), [(8, 8), (7, 9)])
+def test_pool_kernels_equal_max_pool2d_ties_included(relu, h, w):
+    pool = kernels.pool_kernels()
+    g = torch.Generator().manual_seed(1)
+    # values on a coarse grid: many ties, which must go to the first maximum as in PyTorch
+    a = torch.randint(-2, 3, (3, 4, h, w), generator=g).float()
+    out = torch.empty(3, 4, h // 2, w // 2)
+    arg = torch.empty(out.shape, dtype=torch.int32)
+    pool.forward(a, out, arg, relu)
+    leaf = a.clone().requires_grad_()
+    ref = F.max_pool2d(F.relu(leaf) if relu else leaf, 2)
+    grad_out = torch.randn(ref.shape, generator=g)
+    ref.backward(grad_out)
+    assert torch.equal(out, ref.detach())
+    grad_in = pool.backward(grad_out, arg, torch.full_like(a, 7.0))
+    assert torch.equal(grad_in, leaf.grad)
+
+
+def test_kernels_can_be_disabled(monkeypatch):
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    kernels._library.cache_clear()
+    try:
+        assert kernels.pool_kernels() is None
+        assert kernels.conv_kernels(1, 2, 6, 6, 3, 3) is None
+    finally:
+        kernels._library.cache_clear()
