@@ -154,7 +154,8 @@ def test_distillation_is_deterministic_given_the_seed():
     states = []
     for _ in range(2):
         context = dict(model_fn=TINY, device="cpu", val=tiny_val(TINY, [-1.0], [2.0]), seed=3)
-        dense = Dense(**context, num_clients=2, epochs=4, batch_size=16, latent_dim=8, generator_width=4)
+        dense = Dense(**context, num_clients=2, epochs=4, batch_size=16, latent_dim=8,
+                      generator_width=4)
         predictor = dense.fuse_uploads(uploads)
         states.append(predictor.members[0].state_dict())
         assert [e["iteration"] for e in dense.trace] == [0, 1, 2, 3, 4]
@@ -190,7 +191,8 @@ def test_one_client_is_distilled_into_a_random_student_that_agrees_on_real_image
             opt.step()
     teacher.eval()
     context = dict(model_fn=spec, device="cpu", val=bundle.val, seed=0)
-    dense = Dense(**context, num_clients=1, epochs=400, batch_size=64, latent_dim=32, generator_width=16,
+    dense = Dense(**context, num_clients=1, epochs=400, batch_size=64, latent_dim=32,
+                  generator_width=16,
                   g_lr=0.005, s_lr=0.05, adv_weight=5.0, adv_mask=False, pool_batches=50,
                   student_init="random")
     student = dense.fuse_uploads([upload_of(teacher, spec)])

@@ -98,7 +98,8 @@ def test_diag_optimum_is_the_closed_form_and_fisher_merge():
         assert np.abs(closed - start[0][name]).max() > 0.05  # the optimiser had to move
         np.testing.assert_allclose(mode[name].numpy(), closed, atol=1e-6)
     merged, fallbacks = fisher_merge([u.weights(0) for u in uploads],
-                                     [FisherMerge(TINY, num_clients=3).fisher(u, 0) for u in uploads],
+                                     [FisherMerge(TINY, num_clients=3).fisher(u, 0)
+                                      for u in uploads],
                                      [u.num_examples for u in uploads])
     assert fallbacks == 0
     for name in NAMES:
@@ -162,7 +163,8 @@ def test_each_member_index_is_its_own_fedfisher():
 
 
 def test_settings_and_refusals():
-    settings = Settings(strategy="fedfisher", hessian_structure="diag", fedfisher_steps=7, fedfisher_lr=0.5,
+    settings = Settings(strategy="fedfisher", hessian_structure="diag", fedfisher_steps=7,
+                        fedfisher_lr=0.5,
                         fedfisher_eval_every=3, num_clients=4)
     strategy = build_strategy(settings, TINY)
     assert strategy.required_sections == ("weights", "curvature.diag")

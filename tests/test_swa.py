@@ -59,7 +59,8 @@ def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores():
     for x in (a, b):
         z = (x - x.mean()) / x.std(ddof=1)
         brute.append(abs(stats.kstat(z, 3) * stats.kstat(z, 4)))
-    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos", size_weighting=True)
+    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos",
+                                            size_weighting=True)
     fused = _fuse(strategy, [_tiny_upload(0, a, examples=100), _tiny_upload(1, b, examples=300)])
     weights = np.array([brute[0] * 100, brute[1] * 300]) / (brute[0] * 100 + brute[1] * 300)
     np.testing.assert_allclose(strategy.report()["gd"]["net.1.weight"], brute, rtol=1e-9)
@@ -101,7 +102,8 @@ def test_same_layer_distributions_equal_fedavg():
     for u, n in zip(distinct, (100, 250, 650), strict=True):
         u.num_examples = n
     for distance, case in [("hos", uploads), ("renyi1", uploads), ("uniform", distinct)]:
-        swa = StatisticalWeightAggregation(SPEC, num_clients=3, distance=distance, size_weighting=True)
+        swa = StatisticalWeightAggregation(SPEC, num_clients=3, distance=distance,
+                                           size_weighting=True)
         expected = fedavg if case is uploads else FedAvg(SPEC, num_clients=3).fuse(case)
         for fused, reference in zip(swa.fuse(case).members, expected.members, strict=True):
             for name, value in fused.state_dict().items():
