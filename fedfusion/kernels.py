@@ -39,8 +39,11 @@ log = logging.getLogger("fedfusion")
 DISABLE_ENV = "FEDFUSION_NO_KERNELS"
 CACHE_ENV = "FEDFUSION_KERNEL_CACHE"
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared")
-#: vector registers the accumulators of a convolution kernel may use (AVX2 has 16)
-_ACC_REGISTERS = 12
+#: vector accumulators a convolution kernel may keep (AVX2 has 16 registers; a few spills
+#: cost less than splitting the output channels into blocks, which reloads every input row
+#: per block: LeNet's layers, 5 members, weight gradient 1.80 ms / 2.48 ms at 18 against
+#: 2.29 / 3.60 ms at 12)
+_ACC_REGISTERS = 18
 _FLOATS_PER_VECTOR = 8
 
 _POOL_SOURCE = r"""
@@ -102,13 +105,14 @@ void pool2_bwd(const float* restrict g, const int* restrict arg, float* restrict
 
 
 def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
-    """Direct convolution (stride 1, no padding) forward, weight and input gradients for
+    """Direct convolution (stride 1, no padding) forward and weight gradient for
     ``[M, B, C, H, W]`` maps and ``[M, O, C, KH, KW]`` weights, all sizes but M and B fixed.
 
-    Forward and input gradient keep an ``[OB, WO]`` (resp. ``[CB, W]``) block of output rows
-    in registers while they run over the reduction; the weight gradient keeps ``[OB, WO]``
-    partial sums per kernel tap. The input gradient is the forward correlation of the
-    zero-padded output gradient with the flipped, transposed kernel."""
+    The forward pass keeps an ``[OB, WO]`` block of output rows in registers while it runs
+    over the reduction; the weight gradient keeps ``[OB, WO]`` partial sums per kernel tap.
+    (An input gradient written the same way, as the correlation of the zero-padded output
+    gradient with the flipped kernel, ran 2.3x slower than oneDNN's on LeNet's second layer:
+    the stacked trainer takes PyTorch's.)"""
     ho, wo = h - kh + 1, w - kw + 1
     for name, value in (("c", c), ("o", o), ("h", h), ("w", w), ("kh", kh), ("kw", kw),
                         ("ho", ho), ("wo", wo)):
@@ -116,9 +120,6 @@ def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
             raise ValueError(f"convolution kernel size {name} must be a positive int, got "
                              f"{value!r}")
     ob = _block(o, wo)
-    # input gradient: a forward pass over the padded gradient (HP x WP) with C outputs
-    hp, wp = ho + 2 * (kh - 1), wo + 2 * (kw - 1)
-    cb = _block(c, w)
     return rf"""
 #define C_ {c}
 #define O_ {o}
@@ -129,9 +130,6 @@ def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
 #define HO {ho}
 #define WO {wo}
 #define OB {ob}
-#define HP {hp}
-#define WP {wp}
-#define CB {cb}
 
 /* out[m,b,o,i,j] = bias[m,o] + sum_{{c,ki,kj}} w[m,o,c,ki,kj] x[m,b,c,i+ki,j+kj] */
 void conv_fwd(const float* restrict x, const float* restrict wt, const float* restrict bias,
@@ -191,48 +189,6 @@ void conv_wgrad(const float* restrict x, const float* restrict g, float* restric
           }}
 }}
 
-/* dx[m,b,c,y,x] = sum_{{o,ki,kj}} w[m,o,c,ki,kj] g[m,b,o,y-ki,x-kj] (zero outside),
-   computed as the correlation of the zero-padded g with the flipped kernel; `padded`
-   holds one sample's padded gradient (O_ * HP * WP floats), `flipped` one member's flipped
-   kernel (C_ * O_ * KH * KW floats) */
-void conv_dgrad(const float* restrict g, const float* restrict wt, float* restrict dx,
-                float* restrict padded, float* restrict flipped, long members, long batch) {{
-  for (int k = 0; k < O_ * HP * WP; k++) padded[k] = 0.0f;
-  for (long m = 0; m < members; m++) {{
-    const float* wm = wt + m * O_ * C_ * KH * KW;
-    for (int o = 0; o < O_; o++)
-      for (int c = 0; c < C_; c++)
-        for (int ki = 0; ki < KH; ki++)
-          for (int kj = 0; kj < KW; kj++)
-            flipped[((c * O_ + o) * KH + ki) * KW + kj] =
-                wm[((o * C_ + c) * KH + (KH - 1 - ki)) * KW + (KW - 1 - kj)];
-    for (long b = 0; b < batch; b++) {{
-      const float* gb = g + (m * batch + b) * O_ * HO * WO;
-      for (int o = 0; o < O_; o++)
-        for (int i = 0; i < HO; i++)
-          for (int j = 0; j < WO; j++)
-            padded[(o * HP + i + KH - 1) * WP + j + KW - 1] = gb[(o * HO + i) * WO + j];
-      float* xb = dx + (m * batch + b) * C_ * H_ * W_;
-      for (int y = 0; y < H_; y++)
-        for (int c0 = 0; c0 < C_; c0 += CB) {{
-          float acc[CB][W_];
-          for (int c = 0; c < CB; c++)
-            for (int j = 0; j < W_; j++) acc[c][j] = 0.0f;
-          for (int o = 0; o < O_; o++)
-            for (int ki = 0; ki < KH; ki++) {{
-              const float* pr = padded + (o * HP + y + ki) * WP;
-              for (int kj = 0; kj < KW; kj++)
-                for (int c = 0; c < CB; c++) {{
-                  const float wv = flipped[(((c0 + c) * O_ + o) * KH + ki) * KW + kj];
-                  for (int j = 0; j < W_; j++) acc[c][j] += wv * pr[j + kj];
-                }}
-            }}
-          for (int c = 0; c < CB; c++)
-            for (int j = 0; j < W_; j++) xb[((c0 + c) * H_ + y) * W_ + j] = acc[c][j];
-        }}
-    }}
-  }}
-}}
 """
 
 
@@ -242,6 +198,13 @@ def _block(channels: int, width: int) -> int:
     vectors = -(-width // _FLOATS_PER_VECTOR)
     limit = max(1, _ACC_REGISTERS // vectors)
     return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= limit)
+
+
+def one_block(out_channels: int, out_width: int) -> bool:
+    """Whether the compiled convolution keeps all output channels in one register block
+    (each input row loaded once): where it does, its forward and weight gradient match or
+    beat oneDNN (LeNet's layers); where it does not (the CNN's), oneDNN is 1.5-4x faster."""
+    return _block(out_channels, out_width) == out_channels
 
 
 def disabled() -> bool:
@@ -359,31 +322,6 @@ class ConvKernels:
                             ctypes.c_long(m), ctypes.c_long(b))
         return grad_weight
 
-    def input_grad(self, grad_out: torch.Tensor, weight: torch.Tensor, grad_in: torch.Tensor,
-                   scratch: torch.Tensor) -> torch.Tensor:
-        """``scratch``: at least :meth:`scratch_size` floats."""
-        m, b = grad_out.shape[:2]
-        _check(grad_out, (m, b, self.o, *self.out_hw), "output gradient")
-        _check(weight, (m, self.o, self.c, self.kh, self.kw), "weight")
-        _check(grad_in, (m, b, self.c, self.h, self.w), "input gradient")
-        if scratch.dtype != torch.float32 or not scratch.is_contiguous() \
-                or scratch.numel() < self.scratch_size:
-            raise ValueError(f"scratch: need {self.scratch_size} contiguous float32 elements")
-        padded_size = self.o * (self.out_hw[0] + 2 * (self.kh - 1)) * (
-            self.out_hw[1] + 2 * (self.kw - 1))
-        self.lib.conv_dgrad(_pointer(grad_out), _pointer(weight), _pointer(grad_in),
-                            _pointer(scratch), ctypes.c_void_p(
-                                scratch.data_ptr() + 4 * padded_size),
-                            ctypes.c_long(m), ctypes.c_long(b))
-        return grad_in
-
-    @property
-    def scratch_size(self) -> int:
-        ho, wo = self.out_hw
-        return self.o * (ho + 2 * (self.kh - 1)) * (wo + 2 * (self.kw - 1)) + \
-            self.c * self.o * self.kh * self.kw
-
-
 def conv_kernels(c: int, o: int, h: int, w: int, kh: int, kw: int) -> ConvKernels | None:
     """Compiled kernels of a ``c -> o`` convolution with a ``kh x kw`` kernel on ``h x w``
     maps (stride 1, no padding), or None when unavailable."""
@@ -392,7 +330,7 @@ def conv_kernels(c: int, o: int, h: int, w: int, kh: int, kw: int) -> ConvKernel
     lib = _library(_conv_source(c, o, h, w, kh, kw))
     if lib is None:
         return None
-    for name in ("conv_fwd", "conv_wgrad", "conv_dgrad"):
+    for name in ("conv_fwd", "conv_wgrad"):
         getattr(lib, name).restype = None
     return ConvKernels(c, o, h, w, kh, kw, lib)
 

@@ -129,22 +129,23 @@ def _ordered(workspace: _Workspace, name: str, shape: Sequence[int], order: Sequ
 
 
 class _Conv2d(_Layer):
-    """A convolution of all members, by one of three strategies fixed at construction:
+    """A convolution of all members, by one of three strategies (fixed at the first forward
+    pass, from the map size):
 
-    * ``kernel``: the compiled direct convolution of :mod:`fedfusion.kernels` (stride 1, no
-      padding or dilation), for small patches (``C_in * kh * kw <= 32``, e.g. a first layer
-      on 1-channel images), where PyTorch's oneDNN weight gradient is slowest: LeNet's first
-      layer, 5 members, forward + weight gradient 3.9 ms against 11.8 ms (oneDNN) and 7.4 ms
-      (``gemm``);
+    * ``kernel``: the compiled direct convolution of :mod:`fedfusion.kernels` for the forward
+      pass and the weight gradient (stride 1, no padding or dilation, all output channels in
+      one register block: :func:`fedfusion.kernels.one_block`), PyTorch's for the input
+      gradient. LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
+      against 11.8 ms (oneDNN) and 7.4 ms (``gemm``); the second 4.9 ms against 5.0 ms
+      (oneDNN), whose separate input gradient then costs 3.5 ms against 6.5 ms for both;
     * ``gemm``: im2col into a reused buffer + one batched GEMM per pass, for small patches
-      when the kernels are unavailable;
+      (``C_in * kh * kw <= 32``) otherwise;
     * ``native``: PyTorch's own convolution, forward and backward, member by member on its
-      contiguous NCHW batch: the fastest for larger patches (LeNet's second layer 8.4 ms,
-      against 13.7 ms for ``gemm`` and 15.7 ms for the compiled kernels; the CNN's layers 48 /
-      150 ms against 64 / 197 ms for ``gemm``).
+      contiguous NCHW batch: the fastest for the rest (the CNN's layers 48 / 150 ms against
+      64 / 197 ms for ``gemm``, and 1.5-4x faster than the compiled kernels there).
     """
 
-    #: largest patch (C_in * kh * kw) the ``kernel`` and ``gemm`` strategies are used for
+    #: largest patch (C_in * kh * kw) the ``gemm`` strategy is used for
     SMALL_PATCH = 32
 
     def __init__(self, name: str, workspace: _Workspace, convs: Sequence[nn.Conv2d],
@@ -157,10 +158,9 @@ class _Conv2d(_Layer):
         self.dh, self.dw = conv.dilation
         self.ph, self.pw = conv.padding  # type: ignore[misc]  # checked to be a tuple
         self.out_channels = conv.out_channels
-        small = conv.in_channels * self.kh * self.kw <= self.SMALL_PATCH
-        plain = (self.sh, self.sw, self.dh, self.dw, self.ph, self.pw) == (1, 1, 1, 1, 0, 0)
-        self.strategy = ("kernel" if small and plain and use_kernels
-                         else "gemm" if small else "native")
+        self.use_kernels = use_kernels and (
+            self.sh, self.sw, self.dh, self.dw, self.ph, self.pw) == (1, 1, 1, 1, 0, 0)
+        self.strategy = ""  # decided at the first forward pass
         self.kernels: kernels.ConvKernels | None = None
         self.params.append((f"{name}.weight", _stack([c.weight for c in convs])))
         if conv.bias is not None:
@@ -174,8 +174,23 @@ class _Conv2d(_Layer):
     def bias(self) -> torch.Tensor | None:
         return self.params[1][1] if len(self.params) > 1 else None
 
+    def _choose(self, height: int, width: int) -> str:
+        if self.use_kernels and height >= self.kh and width >= self.kw and kernels.one_block(
+                self.out_channels, width - self.kw + 1):
+            compiled = self.kernels
+            if compiled is None or (compiled.h, compiled.w) != (height, width):
+                compiled = self.kernels = kernels.conv_kernels(
+                    self.conv.in_channels, self.out_channels, height, width, self.kh, self.kw)
+            if compiled is not None:
+                return "kernel"
+        small = self.conv.in_channels * self.kh * self.kw <= self.SMALL_PATCH
+        return "gemm" if small else "native"
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         self.in_shape = tuple(h.shape)
+        if not self.strategy or (self.strategy == "kernel" and self.kernels is not None and (
+                self.kernels.h, self.kernels.w) != tuple(h.shape[-2:])):
+            self.strategy = self._choose(*h.shape[-2:])
         if self.strategy == "kernel":
             return self._forward_kernel(h)
         return self._forward_gemm(h) if self.strategy == "gemm" else self._forward_native(h)
@@ -187,28 +202,17 @@ class _Conv2d(_Layer):
 
     # -- kernel: the compiled direct convolution ----------------------------------------------
 
-    def _compiled(self, height: int, width: int) -> kernels.ConvKernels | None:
-        k = self.kernels
-        if k is None or (k.h, k.w) != (height, width):
-            k = self.kernels = kernels.conv_kernels(
-                self.conv.in_channels, self.out_channels, height, width, self.kh, self.kw)
-        return k
-
     def _forward_kernel(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.kernels is not None
         m, c, b, height, width = h.shape
-        compiled = self._compiled(height, width)
-        if compiled is None:  # no compiler after all: PyTorch's ops from now on
-            self.strategy = "gemm"
-            return self._forward_gemm(h)
         self.inputs = _contiguous_per_member(self.ws, f"{self.name}/inputs", h)
-        ho, wo = compiled.out_hw
+        ho, wo = self.kernels.out_hw
         out = self.buffer("out", (m, b, self.out_channels, ho, wo))
-        compiled.forward(self.inputs, self.weight, self.bias, out)
+        self.kernels.forward(self.inputs, self.weight, self.bias, out)
         return out.transpose(1, 2)
 
     def _backward_kernel(self, g: torch.Tensor) -> torch.Tensor | None:
         assert self.kernels is not None
-        m, c, b, height, width = self.in_shape
         grads = _contiguous_per_member(self.ws, f"{self.name}/grad_out", g)
         if self.weight_grads:
             self.kernels.weight_grad(self.inputs, grads, self.grads[0])
@@ -216,10 +220,14 @@ class _Conv2d(_Layer):
                 torch.sum(grads, dim=(1, 3, 4), out=self.grads[1])
         if not self.needs_input_grad:
             return None
-        grad_in = self.buffer("grad_in", (m, b, c, height, width))
-        scratch = self.buffer("scratch", (self.kernels.scratch_size,))
-        self.kernels.input_grad(grads, self.weight, grad_in, scratch)
-        return grad_in.transpose(1, 2)
+        m, c, b, height, width = self.in_shape
+        grad_in = _per_member_nchw(self.ws, f"{self.name}/grad_in", m, c, b, height, width)
+        for i in range(m):  # PyTorch's input gradient (see the class doc)
+            gx = torch.ops.aten.convolution_backward(
+                grads[i], self.inputs[i], self.weight[i], None, [1, 1], [0, 0], [1, 1], False,
+                [0, 0], 1, [True, False, False])[0]
+            grad_in.transpose(1, 2)[i].copy_(gx)
+        return grad_in
 
     # -- native: PyTorch's convolution per member --------------------------------------------
 
