@@ -14,7 +14,13 @@ compiler (or with ``FEDFUSION_NO_KERNELS=1``) the getters return None and the st
 uses its PyTorch ops instead. The kernels are single-threaded and deterministic; their float
 summation order differs from PyTorch's, so results agree to float tolerance, not bitwise.
 
-Layout: every map is per-member NCHW, ``[M, B, C, H, W]`` contiguous, float32.
+Layout: every map is per-member NCHW, ``[M, B, C, H, W]`` contiguous, float32. Kernels:
+the forward pass and weight gradient of a direct convolution (:func:`conv_kernels`), and a
+2x2 max-pool with an optional ReLU, forward and backward (:func:`pool_kernels`). Variants
+measured and dropped: a compiled input gradient (2.3x slower than oneDNN's), and a fused
+pool + convolution backward over only the windows' chosen entries (a quarter of the
+multiply-adds, but 1.7-2.3x slower: scalar read-modify-writes, and a patch per output
+channel instead of one shared by all).
 """
 
 from __future__ import annotations

@@ -16,17 +16,20 @@ first convolution's forward. Grouped convolutions over channel-stacked members i
 same kernels (no gain, measured), and ``torch.compile`` on CPU was slower than eager. Here
 every layer is written as a few large, regular operations over all members:
 
-* convolutions are im2col + one batched GEMM (``torch.bmm``) per pass, the im2col copied
-  into a buffer reused every step (a fresh 18 MB buffer per step costs ~500 page faults);
-* a 2x2 max-pool (and the ReLU next to it) is three ``maximum`` of strided quarter views,
-  with the first-maximum choice kept as three boolean masks, so that the backward pass
-  routes each gradient to the same position as PyTorch's ``max_pool2d`` (the first maximum
-  in row-major window order), without a scatter;
-* the backward pass is written by hand (no autograd graph): every buffer is allocated once.
+* convolutions run member by member inside one compiled kernel (:mod:`fedfusion.kernels`)
+  where that is fastest, else as im2col + one batched GEMM (``torch.bmm``) per pass or as
+  PyTorch's own convolution per member (:class:`_Conv2d`); every buffer is reused from step to
+  step (a fresh 18 MB im2col buffer per step costs ~500 page faults);
+* a 2x2 max-pool and the ReLU next to it are one compiled kernel, or, without a C compiler,
+  three ``maximum`` of the windows' corners with the first-maximum choice kept as masks; both
+  route each gradient to the same position as PyTorch's ``max_pool2d`` (the first maximum in
+  row-major window order);
+* the backward pass is written by hand (no autograd graph), and a layer's weight gradient can
+  be skipped (``weight_grads``, for the curvature fit of :mod:`fedfusion.curvature.fast_kron`).
 
-Layout: feature maps are ``[M, C, B, H, W]`` (member, channel, sample, height, width), the
-layout in which a batched GEMM ``W_m @ cols_m`` leaves a convolution's output; flat features
-are ``[M, B, F]``.
+Layout: feature maps are ``[M, C, B, H, W]`` (member, channel, sample, height, width) views,
+most of them stored per member as NCHW batches (``[M, B, C, H, W]``); flat features are
+``[M, B, F]``.
 
 Supported: ``nn.Conv2d`` (groups 1, zero padding, any stride and dilation, with or without
 bias), ``nn.Linear``, ``nn.ReLU``, ``nn.MaxPool2d(2)`` (kernel 2, stride 2, no padding or
