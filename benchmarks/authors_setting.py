@@ -119,6 +119,7 @@ class MemorySampler(threading.Thread):
         self.peak_kb = 0
         self.anon_peak_kb = 0
         self.process_peak_kb: dict[str, tuple[str, int]] = {}  # pid -> (kind, peak)
+        self.process_anon_peak_kb: dict[str, int] = {}  # pid -> peak anonymous memory
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -135,7 +136,10 @@ class MemorySampler(threading.Thread):
                 if not known[pid]:
                     continue
                 rss = _rss_kb(pid)
-                anon += _anon_kb(pid)
+                private = _anon_kb(pid)
+                anon += private
+                self.process_anon_peak_kb[pid] = max(self.process_anon_peak_kb.get(pid, 0),
+                                                     private)
                 kind, peak = self.process_peak_kb.get(pid, ("", 0))
                 if rss > peak:
                     # ray renames its workers once they host an actor: keep the last name
@@ -148,6 +152,13 @@ class MemorySampler(threading.Thread):
         for kind, peak in self.process_peak_kb.values():
             kinds[kind] = max(kinds.get(kind, 0.0), peak / 2**20)
         return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+    def anon_by_kind(self) -> dict[str, float]:
+        """Peak anonymous (private) memory (GB) of the largest process of each kind."""
+        kinds: dict[str, float] = {}
+        for pid, (kind, _) in self.process_peak_kb.items():
+            kinds[kind] = max(kinds.get(kind, 0.0), self.process_anon_peak_kb.get(pid, 0) / 2**20)
+        return kinds
 
 
 def main() -> None:
@@ -238,18 +249,20 @@ def main() -> None:
     print("|---|---|")
     for label, seconds in split.items():
         print(f"| {label} | {seconds:.1f} |")
-    print("\n| process (largest of its kind) | peak resident set, GB |")
-    print("|---|---|")
+    private = sampler.anon_by_kind()
+    print("\n| process (largest of its kind) | peak resident set, GB | of which private "
+          "(anonymous), GB |")
+    print("|---|---|---|")
     for kind, gb in kinds.items():
         if gb >= 0.05:
-            print(f"| {kind} | {gb:.2f} |")
+            print(f"| {kind} | {gb:.2f} | {private.get(kind, 0.0):.2f} |")
     target = RESULTS if args.local_epochs == 20 else RESULTS.with_name(
         f"authors_setting-e{args.local_epochs}.json")
     target.write_text(json.dumps({
         "alpha": args.alpha, "seed": args.seed, "local_epochs": args.local_epochs,
         "ours": ours, "authors": AUTHORS,
         "fit_over_train": fit_s / ours["client_train_s"], "time_split_s": split,
-        "process_peak_gb": kinds, "per_client": [
+        "process_peak_gb": kinds, "process_private_peak_gb": private, "per_client": [
             {k: c.get(k) for k in ("client_id", "num_examples", "train_time_s", "load_time_s",
                                    "client_time_s", "section_time_s", "upload_mb")}
             for c in clients],
