@@ -43,7 +43,8 @@ from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_member
 log = logging.getLogger("fedfusion")
 
 #: run-config keys a SuperNode's node config may override for its own client
-NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads")
+NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads",
+                  "partition-file", "data-dir")
 
 app = ClientApp()
 
@@ -208,6 +209,9 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
     """One train message -> the upload; keeps the trained members in ``state`` when the
     contrastive term needs them next round. Shared by the ClientApp and the in-process grid."""
     config = content["config"]
+    if config.get("partition-sha256"):
+        # the server's partition file: refuse to train on a copy that differs from it
+        settings = settings.replace(partition_sha256=str(config["partition-sha256"]))
     objective = LocalObjective.from_config(config)
     contrastive = objective.contrastive_weight > 0
     previous = []

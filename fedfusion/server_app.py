@@ -42,7 +42,10 @@ log = logging.getLogger("fedfusion")
 DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
              "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
              "model-kwargs", "num-members", "local-epochs", "lr", "momentum", "batch-size",
-             "client-models")
+             "client-models", "partition-sha256", "val-source", "input-mean", "input-std")
+#: where the partition file is: adopted from the manifest unless the run config names one
+#: (the file may live elsewhere on this machine; partition-sha256 still has to match)
+PARTITION_KEYS = ("partition-file", "partition-key")
 
 app = ServerApp()
 
@@ -70,6 +73,8 @@ def replay_settings(settings: Settings
             log.warning("replay: using %s=%r from the upload folder (run config had %r)", key,
                         produced_under[key], settings.to_mapping()[key])
             changes[key] = produced_under[key]
+    if not settings.partition_file:
+        changes.update({k: produced_under[k] for k in PARTITION_KEYS if k in produced_under})
     keep = settings.parsed_replay_clients()
     if keep is not None:
         failures = [f for f in failures if not f[0].isdigit() or int(f[0]) in keep]
@@ -83,6 +88,14 @@ def replay_settings(settings: Settings
         for upload in uploads:
             upload.members = upload.members[: settings.replay_members]
         log.info("replay: keeping each client's first %d member(s)", settings.replay_members)
+    per_client = settings.parsed_replay_client_members()
+    if per_client is not None:
+        for upload in uploads:
+            if upload.client_id >= len(per_client):
+                raise ValueError(f"replay-client-members lists {len(per_client)} clients but "
+                                 f"the uploads hold client {upload.client_id}")
+            upload.members = upload.members[: per_client[upload.client_id]]
+        log.info("replay: members per client %s", list(per_client))
     # from_mapping, not replace: the manifest's values are type-checked by key
     return Settings.from_mapping({**settings.to_mapping(), **changes}), uploads, failures
 
@@ -127,10 +140,16 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
          folder: Path, results: dict[str, Any], failures: Sequence[tuple[str, str]] = ()
          ) -> None:
     split = federated_split(settings)
+    if split.partition_sha256 and not settings.partition_sha256:
+        # pinned from here on: the clients check their copy, the manifest records it
+        settings = settings.replace(partition_sha256=split.partition_sha256)
+        results["settings"] = settings.to_mapping()
     bundle = split.bundle
     print_histogram(split)
-    results["partition"] = {"histogram": split.histogram.tolist(),
-                            "sizes": [len(i) for i in split.client_indices]}
+    results["partition"] = split.describe()
+    if split.val_overlap and settings.server_validation:
+        log.warning("validation: %d of the %d validation rows are also client data "
+                    "(val-source='file')", split.val_overlap, len(bundle.val))
     device = resolve_device(settings.server_device)
     if settings.server_threads:
         # small batched steps: with another process on a core, extra OpenMP threads wait on
@@ -233,8 +252,11 @@ def print_summary(results: dict[str, Any]) -> None:
         "=" * 64,
         f"fedfusion {results['status'].upper()}: strategy {s['strategy']}, "
         f"{s['num-rounds']} round(s)" + (" (replay)" if s.get("replay") else ""),
-        f"  data     {s['dataset']}, {s['partitioner']} alpha={s['alpha']:g}, "
-        f"{s['num-clients']} clients, seed {s['seed']}",
+        f"  data     {s['dataset']}, "
+        + (f"partition file {Path(s['partition-file']).name}"
+           + (f" [{s['partition-key']}]" if s.get("partition-key") else "")
+           if s.get("partition-file") else f"{s['partitioner']} alpha={s['alpha']:g}")
+        + f", {s['num-clients']} clients, seed {s['seed']}",
     ]
     if test:
         lines.append(f"  test     accuracy {100 * test['accuracy']:.2f}%   NLL {test['nll']:.4f}"

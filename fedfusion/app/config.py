@@ -46,6 +46,12 @@ class Settings:
     num_clients: int = 5
     seed: int = 0
     split_seed: int = -1
+    partition_file: str = ""
+    partition_key: str = ""
+    partition_sha256: str = ""
+    val_source: str = "holdout"
+    input_mean: str = ""
+    input_std: str = ""
     # model and local training
     model: str = ""
     model_kwargs: str = ""
@@ -114,6 +120,7 @@ class Settings:
     replay: str = ""
     replay_clients: str = ""
     replay_members: int = 0
+    replay_client_members: str = ""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Settings:
@@ -166,6 +173,17 @@ class Settings:
             raise ConfigError("run-config 'alpha' must be > 0")
         if self.split_seed < -1:
             raise ConfigError("run-config 'split-seed' must be -1 (follow 'seed') or >= 0")
+        _check_choice("val-source", self.val_source, ("holdout", "file"))
+        if self.val_source == "file" and not self.partition_file:
+            raise ConfigError("run-config val-source='file' needs a 'partition-file' holding "
+                              "validation rows")
+        if self.partition_file and self.train_subset:
+            raise ConfigError("run-config 'train-subset' does not apply with a 'partition-file' "
+                              "(the file decides every client's rows): set train-subset=0")
+        if self.partition_sha256 and (len(self.partition_sha256) != 64 or any(
+                c not in "0123456789abcdef" for c in self.partition_sha256)):
+            raise ConfigError("run-config 'partition-sha256' must be 64 lowercase hex digits")
+        self.parsed_input_stats()
         if self.min_valid_uploads < 1:
             raise ConfigError("run-config 'min-valid-uploads' must be >= 1")
         if self.member_fusion not in ("", "first", "each", "all"):
@@ -182,6 +200,7 @@ class Settings:
         self.parsed_labels_per_client()
         self.parsed_fractions()
         self.parsed_replay_clients()
+        self.parsed_replay_client_members()
         # AMS and PFNM (issue 6)
         for key in ("ams-top-k", "pfnm-iters"):
             if getattr(self, key.replace("-", "_")) < 0:
@@ -238,6 +257,23 @@ class Settings:
             raise ConfigError("run-config 'fractions' must look like '0.5,0.3,0.2'") from exc
 
 
+    def parsed_input_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(mean, std)`` per channel from ``input-mean`` / ``input-std`` (e.g. ``0.1307`` and
+        ``0.3081``), or None: normalise with the training set's own statistics."""
+        if not self.input_mean and not self.input_std:
+            return None
+        try:
+            mean = tuple(float(v) for v in self.input_mean.split(","))
+            std = tuple(float(v) for v in self.input_std.split(","))
+        except ValueError as exc:
+            raise ConfigError("run-config 'input-mean' and 'input-std' must both be set, one "
+                              "number per channel, like '0.1307' or '0.49,0.48,0.45'") from exc
+        if len(mean) != len(std) or not all(math.isfinite(v) for v in mean + std) or not all(
+                v > 0 for v in std):
+            raise ConfigError("run-config 'input-mean' and 'input-std' need one finite number "
+                              f"per channel each and std > 0, got {mean} and {std}")
+        return mean, std
+
     def parsed_replay_clients(self) -> tuple[int, ...] | None:
         """Client ids to keep when replaying (``"0,2,3"``); None keeps all."""
         if not self.replay_clients:
@@ -247,6 +283,20 @@ class Settings:
         except ValueError as exc:
             raise ConfigError("run-config 'replay-clients' must look like '0,2,3'") from exc
 
+
+    def parsed_replay_client_members(self) -> tuple[int, ...] | None:
+        """Members to keep per client when replaying (``"1,1,1,3,3"``: client i keeps its
+        first n_i members; system heterogeneity from one run); None keeps them all."""
+        if not self.replay_client_members:
+            return None
+        try:
+            counts = tuple(int(v) for v in self.replay_client_members.split(","))
+        except ValueError as exc:
+            raise ConfigError("run-config 'replay-client-members' must look like "
+                              "'1,1,1,3,3' (members per client id)") from exc
+        if any(c < 1 for c in counts):
+            raise ConfigError("run-config 'replay-client-members' needs counts >= 1")
+        return counts
 
     def parsed_client_models(self) -> list[dict[str, str]] | None:
         """Per-client architectures: ``client-models`` is a JSON list with one object per
@@ -300,6 +350,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = {"str": str, "int": int, "float": float, "bool": bool}[str(annotation)]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        # flwr's --run-config types "input-mean=0.1307" as a float
+        return str(value)
     if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -321,10 +374,12 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
                           f"{sorted(STRATEGIES)}")
     cls = STRATEGIES[settings.strategy]
     values = settings.to_mapping()
-    client_config = {}
+    client_config: dict[str, Any] = {}
+    if settings.partition_sha256:  # each client checks its copy of the partition file
+        client_config["partition-sha256"] = settings.partition_sha256
     if settings.contrastive_weight > 0:  # MOON-style clients, any strategy
-        client_config = {"contrastive-weight": settings.contrastive_weight,
-                         "contrastive-temperature": settings.contrastive_temperature}
+        client_config.update({"contrastive-weight": settings.contrastive_weight,
+                              "contrastive-temperature": settings.contrastive_temperature})
     try:
         return cls(
             model_spec,

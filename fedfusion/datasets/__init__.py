@@ -17,6 +17,11 @@ from fedfusion.datasets.partition import (
     class_histogram,
     partition_indices,
 )
+from fedfusion.datasets.partition_file import (
+    PartitionFile,
+    read_partition_file,
+    write_partition_file,
+)
 
 __all__ = [
     "DATASETS",
@@ -26,10 +31,13 @@ __all__ = [
     "DatasetNotFoundError",
     "ImageData",
     "PartitionError",
+    "PartitionFile",
     "channel_stats",
     "class_histogram",
     "holdout_indices",
     "load_dataset",
     "partition_indices",
     "read_idx",
+    "read_partition_file",
+    "write_partition_file",
 ]

@@ -24,6 +24,7 @@ import functools
 import gzip
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -288,9 +289,13 @@ def holdout_indices(num_train: int, val_size: int, seed: int) -> tuple[np.ndarra
 
 @functools.lru_cache(maxsize=4)
 def load_dataset(
-    name: str, data_dir: str | os.PathLike[str] | None = None, val_size: int = 500, seed: int = 0
+    name: str, data_dir: str | os.PathLike[str] | None = None, val_size: int = 500, seed: int = 0,
+    stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
 ) -> DatasetBundle:
     """Load ``name`` normalised, with ``val_size`` training images held out for the server.
+
+    ``stats`` = ``(mean, std)`` per channel replaces the training set's own statistics (e.g.
+    the MNIST constants ``((0.1307,), (0.3081,))`` that many FMNIST codes use).
 
     Cached per process on the arguments, because Flower's simulation actors build a
     client per call and the dataset must not be re-read each time. The environment
@@ -311,19 +316,27 @@ def load_dataset(
         raise ValueError(f"val_size must be >= 0, got {val_size}")
     chosen_dir = data_dir or os.environ.get(DATA_DIR_ENV) or None
     folder = Path(chosen_dir).expanduser() if chosen_dir else None
-    cached = _cache_folder(name, folder, val_size, seed)
+    if stats is not None:
+        stats = (tuple(float(v) for v in stats[0]), tuple(float(v) for v in stats[1]))
+        if len(stats[0]) != len(stats[1]) or not all(s > 0 for s in stats[1]) or not all(
+                math.isfinite(v) for v in stats[0] + stats[1]):
+            raise ValueError(f"stats must be (mean, std) per channel with finite values and "
+                             f"std > 0, got {stats}")
+    cached = _cache_folder(name, folder, val_size, seed, stats)
     if cached is not None:
         bundle = _read_cache(cached)
         if bundle is not None:
             return bundle
-    bundle = _build_bundle(name, folder, val_size, seed)
+    bundle = _build_bundle(name, folder, val_size, seed, stats)
     if cached is not None and _write_cache(cached, bundle):
         # this process, too, drops its private copy for the shared pages
         return _read_cache(cached) or bundle
     return bundle
 
 
-def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int) -> DatasetBundle:
+def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int,
+                  stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+                  ) -> DatasetBundle:
     raw = _load_raw(name, folder)
     spec = _SPECS[name]
     train_images, train_labels = raw["train"]
@@ -332,7 +345,10 @@ def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int) -> D
         if labels.size and not 0 <= labels.min() <= labels.max() < spec.num_classes:
             raise ValueError(f"{name} {split} labels fall outside [0, {spec.num_classes})")
     train_indices, val_indices = holdout_indices(len(train_labels), val_size, seed)
-    mean, std = channel_stats(train_images)
+    mean, std = stats or channel_stats(train_images)
+    if len(mean) != train_images.shape[1]:
+        raise ValueError(f"{name} has {train_images.shape[1]} channel(s) but the normalisation "
+                         f"statistics have {len(mean)}")
     return DatasetBundle(
         name=name,
         num_classes=spec.num_classes,
@@ -370,7 +386,9 @@ def _idx_sources(name: str, folder: Path | None) -> list[Path] | None:
     return None
 
 
-def _cache_folder(name: str, folder: Path | None, val_size: int, seed: int) -> Path | None:
+def _cache_folder(name: str, folder: Path | None, val_size: int, seed: int,
+                  stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+                  ) -> Path | None:
     setting = os.environ.get(CACHE_ENV, "").strip()
     if setting.lower() in ("off", "0", "false", "no"):
         return None
@@ -381,8 +399,8 @@ def _cache_folder(name: str, folder: Path | None, val_size: int, seed: int) -> P
         identity = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in sources]
     except OSError:
         return None
-    key = hashlib.sha256(json.dumps(
-        [_CACHE_VERSION, name, val_size, seed, identity]).encode()).hexdigest()[:24]
+    key_fields = [_CACHE_VERSION, name, val_size, seed, identity] + ([stats] if stats else [])
+    key = hashlib.sha256(json.dumps(key_fields).encode()).hexdigest()[:24]
     root = Path(setting).expanduser() if setting else DEFAULT_CACHE_DIR.expanduser()
     return root / f"{name}-{key}"
 

@@ -1,0 +1,320 @@
+"""FedBEns on the FedBEns authors' own Fashion-MNIST splits, beside the paper (issue 17).
+
+The clients' rows and the server's 500 validation rows come from
+``../shared/data/fedbens-authors-splits.npz`` (``partition-file``, ``val-source='file'``), so
+our numbers and the paper's are measured on the same data; ``--seed`` changes only the inits
+and batch orders, as in the authors' code. Setting: LeNet, M = 5, 20 local epochs, Kron
+Laplace, T = 0.1, sigma^2 = 0.1. Each cell (table, alpha, seed) is ONE live ``flwr run``
+whose clients also upload the diagonal and diag + full-last-layer curvature and RegMean's
+Gram matrices; everything else is a server-side replay of those uploads:
+
+* ``table1``: C = 5, alpha 0.05 / 0.1 / 0.2 / 0.4. FedBEns Kron (validation), FedBEns
+  diag + full last layer, every baseline of the paper on member 0 (FedAvg, FedFisher K-FAC
+  and diag, RegMean, Fisher merging, OTFusion, DENSE on ``--dense-seeds`` only: 190 s of
+  server each), the uniform ensemble; Table 3 (no validation, 100 steps) from the same
+  uploads; Table 7 at alpha 0.05 / 0.4 (all clients M = 1 against 3 clients M = 1 and 2
+  clients M = 3, by keeping each client's first members); Figure 5 (prior variance) and the
+  temperature sweep on ``--sweep-seeds``. With ``--norm mnist`` a second set of cells is
+  trained on inputs normalised with the MNIST constants (0.1307, 0.3081) the authors' code
+  uses, FedBEns only (the normalisation ablation).
+* ``table2``: alpha 0.3, C = 10, 20, 40; FedBEns Kron and the baselines.
+* ``tables``: print the tables of the saved results and draw the plots.
+
+Resumable: a finished live run or replay is reused. ``--stage live`` and ``--stage replay``
+split the work over two processes that share the two cores (run both; the replay stage
+waits for each live run). Results: ``benchmarks/results/authors_splits.json`` (one row per
+cell), plots ``authors_splits.png`` and ``authors_splits_sweeps.png``.
+
+    .venv/bin/python benchmarks/authors_splits.py table1 --seeds 0,1,2,3,4 --stage live &
+    .venv/bin/python benchmarks/authors_splits.py table1 --seeds 0,1,2,3,4 --stage replay
+    .venv/bin/python benchmarks/authors_splits.py table2 --seeds 0,1,2
+    .venv/bin/python benchmarks/authors_splits.py tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import REPO, live_run
+from fedbens import (
+    BASELINES,
+    LABELS,
+    PAPER,
+    PAPER_ALPHAS,
+    live_timing,
+    replay,
+    summary,
+    wait_for_live,
+)
+
+SPLITS = (REPO.parent / "shared" / "data" / "fedbens-authors-splits.npz").resolve()
+RESULTS = REPO / "benchmarks" / "results" / "authors_splits.json"
+OUT = REPO / "outputs" / "bench-authors-splits"
+EXTRA_SECTIONS = "curvature.diag,curvature.diag_full,gram"
+#: the authors' input normalisation (MNIST's statistics), against FMNIST's own
+NORMS = {"dataset": "", "mnist": "input-mean='0.1307' input-std='0.3081'"}
+PRIOR_VARS = (0.01, 0.03, 0.1, 0.3, 1.0)
+TEMPERATURES = (0.03, 0.1, 0.3, 1.0)
+LIVE_PRIOR_VAR, LIVE_TEMPERATURE = 0.1, 0.1
+#: paper Table 2 (FMNIST, alpha 0.3): FedBEns Kron by number of clients
+PAPER_TABLE2 = {10: 80.57, 20: 80.83, 40: 77.27}
+#: paper Table 7 (FMNIST): all clients M = 1, and 3 clients M = 1 + 2 clients M = 3
+PAPER_TABLE7 = {0.05: (57.02, 59.57), 0.4: (77.07, 78.31)}
+HETERO_MEMBERS = "1,1,1,3,3"
+
+
+def cell_name(clients: int, alpha: float, seed: int, norm: str) -> str:
+    return f"C{clients}_a{alpha:g}-s{seed}" + ("" if norm == "dataset" else f"-{norm}")
+
+
+def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
+             args: argparse.Namespace) -> dict | None:
+    """One cell: the live run (stages all / live), then its replays (all / replay)."""
+    name = cell_name(clients, alpha, seed, norm)
+    full = norm == "dataset"  # the normalisation ablation trains FedBEns' own sections only
+    out = str(args.out)
+    start = time.perf_counter()
+    if args.stage == "replay":
+        live = wait_for_live(out, name)
+    else:
+        extra = f"extra-sections='{EXTRA_SECTIONS}'" if full else ""
+        live = live_run(
+            f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} num-members=5 "
+            f"local-epochs={args.epochs} hessian-structure=kron {extra} server-threads=1 "
+            f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
+            f"val-source='file' {NORMS[norm]}", out, name)
+    if args.stage == "live":
+        return None
+    if live.get("status") != "ok":
+        print(f"live run {name} failed ({live.get('error')}): no row")
+        return None
+    clients_table = live["clients"]
+    members = sum(c["num_members"] for c in clients_table)
+    kron_s = sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients_table)
+    row: dict = {
+        "table": table, "clients": clients, "alpha": alpha, "seed": seed, "norm": norm,
+        "partition_sha256": live["settings"]["partition-sha256"],
+        **live_timing(live),
+        "train_s_per_member": live["timing"]["client_train_s_sum"] / members,
+        "fit_over_train": kron_s / live["timing"]["client_train_s_sum"],
+        "methods": {"fedbens": summary(live)},
+    }
+    methods = row["methods"]
+
+    def add(method: str, tag: str, **changes: object) -> None:
+        methods[method] = summary(replay(out, name, tag, **changes))
+
+    add("fedbens_noval", "noval100", strategy="fedbens", server_validation=False)
+    if full:
+        add("fedbens_diag_full", "diag_full", strategy="fedbens", hessian_structure="diag_full")
+        for method, (changes, _, used) in BASELINES.items():
+            if method == "dense" and seed not in args.dense_seeds:
+                continue
+            add(method, method, replay_members=used, **changes)
+    if table == "table1" and alpha in PAPER_TABLE7:
+        add("fedbens_m1", "m1", strategy="fedbens", replay_members=1)
+        add("fedbens_hetero", "hetero", strategy="fedbens", replay_client_members=HETERO_MEMBERS)
+    if table == "table1" and seed in args.sweep_seeds:
+        for prior_var in PRIOR_VARS:
+            if prior_var != LIVE_PRIOR_VAR:
+                add(f"fedbens_prior{prior_var:g}", f"prior{prior_var:g}", strategy="fedbens",
+                    prior_var=prior_var)
+        for temperature in TEMPERATURES:
+            if temperature != LIVE_TEMPERATURE:
+                add(f"fedbens_T{temperature:g}", f"T{temperature:g}", strategy="fedbens",
+                    temperature=temperature)
+    row["bench_wall_s"] = time.perf_counter() - start
+    return row
+
+
+def cells(args: argparse.Namespace) -> list[tuple[str, int, float, int, str]]:
+    """(table, clients, alpha, seed, norm) in run order: seed-major, so that a partial
+    campaign covers every alpha."""
+    found = []
+    for seed in args.seeds:
+        if args.command == "table1":
+            for alpha in args.alphas:
+                for norm in args.norms:
+                    found.append(("table1", 5, alpha, seed, norm))
+        else:
+            for clients in (10, 20, 40):
+                found.append(("table2", clients, 0.3, seed, "dataset"))
+    return found
+
+
+def load_rows(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def save_row(path: Path, row: dict) -> list[dict]:
+    """Merge ``row`` into the results file (rows another process wrote meanwhile stay)."""
+    key = ("table", "clients", "alpha", "seed", "norm")
+    rows = [r for r in load_rows(path) if tuple(r[k] for k in key) != tuple(row[k] for k in key)]
+    rows.append(row)
+    rows.sort(key=lambda r: tuple(str(r[k]) for k in key))
+    path.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def stats(rows: list[dict], method: str, **where: object) -> list[float]:
+    return [100 * r["methods"][method]["accuracy"] for r in rows
+            if all(r[k] == v for k, v in where.items()) and method in r["methods"]
+            and not math.isnan(r["methods"][method]["accuracy"])]
+
+
+def cell(values: list[float], paper: float | None = None) -> str:
+    """``mean +- sd (n)``, then the paper's value in brackets and our difference to it."""
+    if not values:
+        return "-"
+    mean = statistics.mean(values)
+    sd = f" +- {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+    text = f"{mean:.2f}{sd} ({len(values)})"
+    if paper is not None:
+        text += f" [{paper:.2f}] {mean - paper:+.2f}"
+    return text
+
+
+def print_tables(rows: list[dict]) -> None:
+    t1 = [r for r in rows if r["table"] == "table1"]
+    alphas = sorted({r["alpha"] for r in t1})
+    if t1:
+        print("\nTable 1 (+ Table 3): FMNIST, LeNet, C = 5, the authors' splits and validation "
+              "rows; test accuracy %, mean +- sd (seeds) [paper] difference")
+        print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+        print("|---|" + "---|" * len(alphas))
+        methods = ["fedbens", "fedbens_noval", "fedbens_diag_full", *BASELINES]
+        for norm in ("dataset", "mnist"):
+            for method in methods if norm == "dataset" else ["fedbens", "fedbens_noval"]:
+                paper = PAPER.get(method)
+                cells_ = [cell(stats(t1, method, alpha=a, norm=norm),
+                               paper[PAPER_ALPHAS.index(a)] if paper else None) for a in alphas]
+                if all(c == "-" for c in cells_):
+                    continue
+                label = LABELS[method] + ("" if norm == "dataset" else
+                                          ", MNIST input normalisation")
+                print(f"| {label} | " + " | ".join(cells_) + " |")
+        print("\nTable 7: system heterogeneity (FedBEns Kron, validation)")
+        print("| alpha | all clients M = 1 | 3 clients M = 1, 2 clients M = 3 |")
+        print("|---|---|---|")
+        for alpha, (paper_m1, paper_hetero) in PAPER_TABLE7.items():
+            m1 = cell(stats(t1, "fedbens_m1", alpha=alpha, norm="dataset"), paper_m1)
+            hetero = cell(stats(t1, "fedbens_hetero", alpha=alpha, norm="dataset"), paper_hetero)
+            print(f"| {alpha:g} | {m1} | {hetero} |")
+        print("\nFigure 5 / temperature sweep (FedBEns Kron, validation), replayed server-side")
+        for label, values, live, prefix in (("prior variance", PRIOR_VARS, LIVE_PRIOR_VAR,
+                                             "prior"), ("temperature", TEMPERATURES,
+                                                        LIVE_TEMPERATURE, "T")):
+            print(f"| {label} | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+            print("|---|" + "---|" * len(alphas))
+            for value in values:
+                method = "fedbens" if value == live else f"fedbens_{prefix}{value:g}"
+                swept = [r for r in t1 if f"fedbens_{prefix}{values[0]:g}" in r["methods"]]
+                print(f"| {value:g} | " + " | ".join(
+                    cell(stats(swept, method, alpha=a, norm="dataset")) for a in alphas) + " |")
+    t2 = [r for r in rows if r["table"] == "table2"]
+    if t2:
+        print("\nTable 2: alpha 0.3, the authors' splits; test accuracy %")
+        counts = sorted({r["clients"] for r in t2})
+        print("| method | " + " | ".join(f"C = {c}" for c in counts) + " |")
+        print("|---|" + "---|" * len(counts))
+        for method in ["fedbens", "fedbens_noval", *BASELINES]:
+            cells_ = [cell(stats(t2, method, clients=c),
+                           PAPER_TABLE2.get(c) if method == "fedbens" else None) for c in counts]
+            if any(c != "-" for c in cells_):
+                print(f"| {LABELS[method]} | " + " | ".join(cells_) + " |")
+    if rows:
+        fit = [100 * r["fit_over_train"] for r in rows]
+        print(f"\nKron fit / local training: max {max(fit):.1f}% over {len(fit)} live runs; "
+              f"live run wall: mean {statistics.mean(r['live_wall_s'] for r in rows):.0f} s")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Left: Table 1 against alpha, ours (solid) and the paper (dashed); right: the sweeps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t1 = [r for r in rows if r["table"] == "table1"]
+    alphas = sorted({r["alpha"] for r in t1})
+    if not alphas:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, method in enumerate(("fedbens", "fedbens_diag_full", "fedfisher_kron", "regmean",
+                                "fedavg", "ensemble")):
+        color = f"C{i}"
+        means = [statistics.mean(v) if (v := stats(t1, method, alpha=a, norm="dataset"))
+                 else math.nan for a in alphas]
+        axes[0].plot(alphas, means, "o-", color=color, label=LABELS[method])
+        if method in PAPER:
+            axes[0].plot(PAPER_ALPHAS, PAPER[method], "--", color=color)
+    means = [statistics.mean(v) if (v := stats(t1, "fedbens", alpha=a, norm="mnist"))
+             else math.nan for a in alphas]
+    axes[0].plot(alphas, means, "s:", color="k", label="FedBEns, MNIST normalisation")
+    axes[0].set(xscale="log", xlabel="Dirichlet alpha", ylabel="test accuracy (%)",
+                title="Authors' splits: ours (solid) vs paper (dashed)")
+    axes[0].set_xticks(alphas, [f"{a:g}" for a in alphas])
+    axes[0].minorticks_off()
+    axes[0].legend(fontsize=7)
+    for ax, values, live, prefix, label in (
+            (axes[1], PRIOR_VARS, LIVE_PRIOR_VAR, "prior", "prior variance sigma^2"),
+            (axes[2], TEMPERATURES, LIVE_TEMPERATURE, "T", "temperature T")):
+        swept = [r for r in t1 if f"fedbens_{prefix}{values[0]:g}" in r["methods"]]
+        for alpha in alphas:
+            means = [statistics.mean(v) if (v := stats(
+                swept, "fedbens" if x == live else f"fedbens_{prefix}{x:g}", alpha=alpha,
+                norm="dataset")) else math.nan for x in values]
+            ax.plot(values, means, "o-", label=f"alpha {alpha:g}")
+        ax.set(xscale="log", xlabel=label, ylabel="test accuracy (%)",
+               title=f"FedBEns Kron against {label} (replayed)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"saved {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("table1", "table2", "tables"))
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
+    parser.add_argument("--norms", default="dataset,mnist",
+                        help="input normalisations of table1's cells (dataset, mnist)")
+    parser.add_argument("--dense-seeds", default="0", help="seeds whose cells replay DENSE")
+    parser.add_argument("--sweep-seeds", default="0,1,2",
+                        help="seeds whose cells replay the prior / temperature sweeps")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--stage", choices=("all", "live", "replay"), default="all")
+    args = parser.parse_args()
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    args.seeds, args.dense_seeds, args.sweep_seeds = (
+        ints(args.seeds), ints(args.dense_seeds), ints(args.sweep_seeds))
+    args.alphas = [float(a) for a in args.alphas.split(",")]
+    args.norms = [n for n in args.norms.split(",") if n]
+    for norm in args.norms:
+        if norm not in NORMS:
+            parser.error(f"unknown --norms entry {norm!r}; choose from {', '.join(NORMS)}")
+    if not SPLITS.is_file():
+        parser.error(f"{SPLITS} is missing (the authors' splits, see shared/data/README.md)")
+    torch.set_num_threads(1)  # replays in this process; the live runs set their own threads
+    if args.command != "tables":
+        for table, clients, alpha, seed, norm in cells(args):
+            row = run_cell(table, clients, alpha, seed, norm, args)
+            if row is not None:
+                print_tables(save_row(args.results, row))
+    rows = load_rows(args.results)
+    print_tables(rows)
+    if rows and args.stage != "live":
+        plot(rows, args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
