@@ -14,7 +14,8 @@ training samples x_1..x_N,
   bias's), and it covers both the weight and the bias.
 
 The array is stored under the weight's parameter name (``"classifier.0.weight"``), summed
-(not averaged) over samples, accumulated in float64 and shipped as float32, symmetrised.
+(not averaged) over samples: per batch in the inputs' precision, over batches in float64;
+shipped as float32, symmetrised.
 Grouped convolutions and non-zero padding modes are refused (their unfolded patches are not
 what the weight multiplies).
 
@@ -51,7 +52,8 @@ def gram_layers(model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
 
 
 def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
-    """The rows the layer's weight multiplies: ``[rows, in (+1 with a bias)]``, float64."""
+    """The rows the layer's weight multiplies: ``[rows, in (+1 with a bias)]``, in the
+    inputs' dtype."""
     if isinstance(module, nn.Conv2d):
         if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding,
                                                                               str):
@@ -62,7 +64,6 @@ def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.T
         rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
     else:
         rows = inputs.reshape(-1, inputs.shape[-1])
-    rows = rows.double()
     if module.bias is not None:
         rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)],
                          dim=1)
@@ -97,7 +98,9 @@ def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
                  ) -> None:
             rows = layer_inputs(module, args[0])  # type: ignore[arg-type]
-            gram = rows.T @ rows
+            # one batch's sum in the inputs' precision (float32: 2-3x faster than a float64
+            # GEMM, ~1e-6 relative over a batch), the running sum over batches in float64
+            gram = (rows.T @ rows).double()
             sums[name] = sums[name] + gram if name in sums else gram
         return hook
 

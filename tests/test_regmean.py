@@ -137,7 +137,7 @@ def test_alpha_one_is_least_squares_on_the_pooled_inputs(spec):
     inputs, targets = [], []
     for _, model, x in clients:
         layer = model.net[1]
-        rows = layer_inputs(layer, x.flatten(1))  # [X | 1] with a bias
+        rows = layer_inputs(layer, x.flatten(1).double())  # [X | 1] with a bias
         w = layer.weight if layer.bias is None else torch.cat([layer.weight,
                                                                layer.bias[:, None]], 1)
         inputs.append(rows.numpy())
