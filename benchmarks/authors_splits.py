@@ -19,6 +19,10 @@ Gram matrices; everything else is a server-side replay of those uploads:
   uses, FedBEns only (the normalisation ablation).
 * ``table2``: alpha 0.3, C = 10, 20, 40; FedBEns Kron and the baselines.
 * ``tables``: print the tables of the saved results and draw the plots.
+* ``why``: for every (alpha, seed) trained with both normalisations, what the input scale
+  changes in the uploads: each member's own test accuracy, its weight norms, and per layer
+  the share of posterior-precision directions where the likelihood H / T outweighs the fixed
+  prior precision 1 / sigma^2 (``benchmarks/results/authors_splits_why.json``).
 
 Resumable: a finished live run or replay is reused. ``--stage live`` and ``--stage replay``
 split the work over two processes that share the two cores (run both; the replay stage
@@ -40,6 +44,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import REPO, live_run
 from fedbens import (
@@ -111,6 +116,8 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         methods[method] = summary(replay(out, name, tag, **changes))
 
     add("fedbens_noval", "noval100", strategy="fedbens", server_validation=False)
+    # beyond the paper: a run from every uploaded member (C x M modes) instead of M medians
+    add("fedbens_members", "starts_members", strategy="fedbens", fedbens_starts="members")
     if full:
         add("fedbens_diag_full", "diag_full", strategy="fedbens", hessian_structure="diag_full")
         for method, (changes, _, used) in BASELINES.items():
@@ -188,9 +195,10 @@ def print_tables(rows: list[dict]) -> None:
               "rows; test accuracy %, mean +- sd (seeds) [paper] difference")
         print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
         print("|---|" + "---|" * len(alphas))
-        methods = ["fedbens", "fedbens_noval", "fedbens_diag_full", *BASELINES]
+        methods = ["fedbens", "fedbens_noval", "fedbens_members", "fedbens_diag_full",
+                   *BASELINES]
         for norm in ("dataset", "mnist"):
-            for method in methods if norm == "dataset" else ["fedbens", "fedbens_noval"]:
+            for method in methods if norm == "dataset" else methods[:3]:
                 paper = PAPER.get(method)
                 cells_ = [cell(stats(t1, method, alpha=a, norm=norm),
                                paper[PAPER_ALPHAS.index(a)] if paper else None) for a in alphas]
@@ -279,9 +287,65 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"saved {path}")
 
 
+def why(args: argparse.Namespace) -> None:
+    """Per (alpha, seed) with both normalisations: what the input scale changes upstream of
+    the server (the members and their Laplace curvature), printed and saved."""
+    from fedfusion.app.config import Settings
+    from fedfusion.app.federation import federated_split
+    from fedfusion.architecture import ModelSpec
+    from fedfusion.curvature import curvature_from_arrays
+    from fedfusion.evaluation import evaluate
+    from fedfusion.payload import WEIGHTS
+    from fedfusion.upload_store import load_uploads
+
+    table = []
+    for alpha in args.alphas:
+        for seed in args.seeds:
+            folders = {norm: args.out / cell_name(5, alpha, seed, norm) / "uploads"
+                       for norm in NORMS}
+            if not all((f / "manifest.json").is_file() for f in folders.values()):
+                continue
+            for norm, folder in folders.items():
+                run_config, uploads, _ = load_uploads(folder, strict=True)
+                settings = Settings.from_mapping(run_config)
+                test = federated_split(settings).bundle.test
+                spec = ModelSpec("lenet", (1, 28, 28), 10)
+                shapes = dict(spec.param_shapes())
+                accuracy, weight_rms, dominated = [], {}, {}
+                for upload in uploads:
+                    for member in upload.members:
+                        model = spec.build(member[WEIGHTS])
+                        accuracy.append(100 * evaluate(model, test.x, test.y, "cpu")["accuracy"])
+                        curvature = curvature_from_arrays(
+                            "kron", member["curvature.kron"], shapes, LIVE_TEMPERATURE,
+                            LIVE_PRIOR_VAR)
+                        for name, factors in curvature.factors.items():
+                            likelihood = factors.likelihood_eigvals(LIVE_TEMPERATURE)
+                            dominated.setdefault(name, []).append(
+                                float((likelihood > 1 / LIVE_PRIOR_VAR).float().mean()))
+                            weight_rms.setdefault(name, []).append(
+                                float(np.sqrt(np.mean(member[WEIGHTS][name] ** 2))))
+                row = {"alpha": alpha, "seed": seed, "norm": norm,
+                       "member_accuracy_mean": statistics.mean(accuracy),
+                       "member_accuracy_min": min(accuracy), "member_accuracy_max": max(accuracy),
+                       "likelihood_dominated_share": {k: statistics.mean(v)
+                                                      for k, v in dominated.items()},
+                       "weight_rms": {k: statistics.mean(v) for k, v in weight_rms.items()}}
+                table.append(row)
+                print(f"alpha {alpha:g} seed {seed} {norm:>7}: members "
+                      f"{row['member_accuracy_mean']:.2f}% ({row['member_accuracy_min']:.1f}-"
+                      f"{row['member_accuracy_max']:.1f}); "
+                      "H/T > 1/sigma^2 share: " + ", ".join(
+                          f"{k.split('.')[0]} {100 * v:.1f}%"
+                          for k, v in row["likelihood_dominated_share"].items()), flush=True)
+    out = args.results.with_name("authors_splits_why.json")
+    out.write_text(json.dumps(table, indent=1))
+    print(f"saved {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("table1", "table2", "tables"))
+    parser.add_argument("command", choices=("table1", "table2", "tables", "why"))
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
     parser.add_argument("--norms", default="dataset,mnist",
@@ -305,6 +369,9 @@ def main() -> None:
     if not SPLITS.is_file():
         parser.error(f"{SPLITS} is missing (the authors' splits, see shared/data/README.md)")
     torch.set_num_threads(1)  # replays in this process; the live runs set their own threads
+    if args.command == "why":
+        why(args)
+        return
     if args.command != "tables":
         for table, clients, alpha, seed, norm in cells(args):
             row = run_cell(table, clients, alpha, seed, norm, args)

@@ -74,6 +74,7 @@ LABELS = {
     "fedbens": "FedBEns (Kron, validation)",
     "fedbens_noval": "FedBEns (Kron, no validation, 100 steps)",
     "fedbens_noval300": "FedBEns (Kron, no validation, 300 steps)",
+    "fedbens_members": "FedBEns (Kron, validation), a run from every member (C x M modes)",
     "fedbens_diag": "FedBEns (diag)", "fedbens_diag_full": "FedBEns (diag + full last layer)",
     "ensemble": "uniform ensemble (C x M members)", "fedavg": "FedAvg (member 0)",
     "fedfisher_kron": "FedFisher K-FAC", "fedfisher_diag": "FedFisher diag",

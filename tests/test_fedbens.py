@@ -100,10 +100,35 @@ def test_pruned_and_full_mixture_give_the_same_modes():
 
 def test_starting_point_is_the_per_parameter_median():
     uploads = [tiny_upload(c, "diag", seed=c, members=1) for c in range(3)]
-    (start,) = FedBEns.starting_points(uploads)
+    (start,) = FedBEns(TINY, num_clients=3).starting_points(uploads)
     for name, value in start.items():
         stacked = np.stack([u.weights(0)[name] for u in uploads])
         np.testing.assert_array_equal(value, np.sort(stacked, axis=0)[1])
+
+
+def test_member_starts_climb_from_every_member_to_a_mode_each():
+    """starts="members": one run per uploaded member (C * M), each ending at a point of
+    higher posterior than its member; the predictor ensembles all C * M modes."""
+    uploads = [tiny_upload(c, "kron", seed=c, members=2) for c in range(3)]
+    strategy = FedBEns(TINY, num_clients=3, starts="members", steps=60, lr=0.01,
+                       eval_every=10, dtype=torch.float64)
+    starts = strategy.starting_points(uploads)
+    assert len(starts) == 6
+    for start, (c, m) in zip(starts, [(c, m) for c in range(3) for m in range(2)], strict=True):
+        for name, value in start.items():
+            np.testing.assert_array_equal(value, uploads[c].weights(m)[name])
+    stacked, owner = strategy.build_posterior(uploads)
+    modes = strategy.optimise(starts, stacked, owner, 3)
+
+    def value(point: dict) -> float:
+        w = {k: torch.as_tensor(v, dtype=torch.float64)[None] for k, v in point.items()}
+        return float(strategy.objective(w, stacked, owner, 3)[0])
+
+    for start, mode in zip(starts, modes, strict=True):
+        assert value(mode) > value(start)
+    assert len(strategy.fuse(uploads).members) == 6
+    with pytest.raises(ValueError, match="starts must be 'median' or 'members'"):
+        FedBEns(TINY, num_clients=3, starts="random")
 
 
 def test_per_run_clip_matches_clip_grad_norm():

@@ -85,6 +85,7 @@ class Settings:
     member_fusion: str = ""
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
+    fedbens_starts: str = "median"
     # FedBEns' baselines (issue 5)
     fedfisher_steps: int = 2000
     fedfisher_lr: float = 0.01

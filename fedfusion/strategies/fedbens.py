@@ -76,6 +76,11 @@ class FedBEns(FusionStrategy):
         refreshes (0 = evaluate every member at every step).
     refresh_every : int, default 10
         Steps between full re-evaluations of all members.
+    starts : {"median", "members"}, default "median"
+        Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run
+        r at the per-parameter median over clients of member r. ``"members"``: one run from
+        every uploaded member (sum_c M_c runs, C times the server work), so the ensemble
+        holds the modes nearest each client's own solutions.
     dtype : torch.dtype, default torch.float32
         Precision of the server optimisation.
     """
@@ -86,7 +91,7 @@ class FedBEns(FusionStrategy):
                    "prior_var": "prior-var", "steps": "server-steps",
                    "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
                    "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
-                   "refresh_every": "mixture-refresh-every"}
+                   "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts"}
 
     def __init__(
         self,
@@ -102,6 +107,7 @@ class FedBEns(FusionStrategy):
         eval_every: int = 30,
         prune_margin: float = 50.0,
         refresh_every: int = 10,
+        starts: str = "median",
         dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ):
@@ -109,6 +115,9 @@ class FedBEns(FusionStrategy):
         if hessian_structure not in STRUCTURES:
             raise ValueError(f"hessian_structure must be one of {STRUCTURES}, "
                              f"got {hessian_structure!r}")
+        if starts not in ("median", "members"):
+            raise ValueError(f"starts must be 'median' or 'members', got {starts!r}")
+        self.starts = starts
         # without a validation set the last (best-objective) iterate is kept, so the run
         # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
         steps = steps if self.context.val is not None else steps_noval
@@ -144,9 +153,11 @@ class FedBEns(FusionStrategy):
         """``[R]`` global log posterior (Eq. 5) at the R stacked points ``w``."""
         return mixture_log_posterior(w, stacked, owner, num_clients, self.prior_var)
 
-    @staticmethod
-    def starting_points(uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
-        """Run r starts at the per-parameter median over the clients that have member r."""
+    def starting_points(self, uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
+        """Run r starts at the per-parameter median over the clients that have member r, or
+        (``starts="members"``) at each uploaded member."""
+        if self.starts == "members":
+            return [u.weights(m) for u in uploads for m in range(u.num_members)]
         runs = max(u.num_members for u in uploads)
         starts = []
         for r in range(runs):
@@ -175,6 +186,7 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
+                "starts": self.starts,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},
