@@ -148,7 +148,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     print_histogram(split)
     results["partition"] = split.describe()
     if split.val_overlap and settings.server_validation:
-        log.warning("validation: %d of the %d validation rows are also client data "
+        log.warning("validation: %d distinct rows of the %d validation rows are also client data "
                     "(val-source='file')", split.val_overlap, len(bundle.val))
     device = resolve_device(settings.server_device)
     if settings.server_threads:

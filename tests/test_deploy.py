@@ -45,6 +45,7 @@ from fedfusion.app.deploy import (
     write_tls_files,
 )
 from fedfusion.app.launch import is_running, launch
+from fedfusion.datasets import write_partition_file
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "deploy-local.sh"
@@ -91,13 +92,14 @@ def script_env() -> dict[str, str]:
     return env
 
 
-def deploy(work: Path, mode: str, run_config: str, *options: str) -> Deployment:
+def deploy(work: Path, mode: str, run_config: str, *options: str, common: str = COMMON
+           ) -> Deployment:
     """Run the script; assert it left nothing running, whatever its outcome. Past
     LAUNCH_TIMEOUT_S it gets SIGTERM (its trap stops the deployment), not subprocess's
     SIGKILL, which would leave the deployment running."""
     proc = subprocess.Popen(
         ["bash", str(SCRIPT), "--mode", mode, "--work-dir", str(work), "--run-config",
-         f"{COMMON} {run_config}", *options],
+         f"{common} {run_config}", *options],
         env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -185,10 +187,23 @@ def test_deployment_equals_the_simulation_of_the_same_run_config(insecure, tmp_p
 
 
 def test_tls_deployment_refuses_a_supernode_without_the_ca(tmp_path):
-    run = deploy(tmp_path / "tls", "tls", "strategy=ensemble", "--node", "1", "num-members=2",
-                 "--intruders")
+    """Also: the clients' rows come from a partition file (bring-your-own partition); node 1
+    reads its own copy (node config), and every node's copy matches the server's hash."""
+    rows = np.random.default_rng(0).permutation(60_000)
+    split = tmp_path / "split.npz"
+    digest = write_partition_file(split, np.split(rows[:6000], 3), rows[6000:6200])
+    copy = tmp_path / "node1" / "split-copy.npz"
+    copy.parent.mkdir()
+    copy.write_bytes(split.read_bytes())
+    run = deploy(tmp_path / "tls", "tls",
+                 f"strategy=ensemble partition-file='{split}' val-source='file'",
+                 "--node", "1", f"num-members=2 partition-file='{copy}'", "--intruders",
+                 common=COMMON.replace("train-subset=6000 ", ""))
     results = assert_ok(run, floor=0.55)
     assert {c["client_id"]: c["num_members"] for c in results["clients"]} == {0: 1, 1: 2, 2: 1}
+    assert results["partition"]["file_sha256"] == digest
+    assert results["partition"]["sizes"] == [2000, 2000, 2000]
+    assert results["partition"]["val_overlap_with_clients"] == 0
     assert "Uvicorn running on https://127.0.0.1:" in run.log("superlink")
     intruder = run.log("intruder-untrusted-ca")
     assert REFUSED in intruder and "CERTIFICATE_VERIFY_FAILED" in intruder
