@@ -127,6 +127,11 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     for start, mode in zip(starts, modes, strict=True):
         assert value(mode) > value(start)
     assert len(strategy.fuse(uploads).members) == 6
+    one = FedBEns(TINY, num_clients=3, modes=1, steps=5)
+    (start,) = one.starting_points(uploads)  # the members-0 median only
+    for name, value in start.items():
+        np.testing.assert_array_equal(value, np.median([u.weights(0)[name] for u in uploads], 0))
+    assert len(one.fuse(uploads).members) == 1
     with pytest.raises(ValueError, match="starts must be 'median' or 'members'"):
         FedBEns(TINY, num_clients=3, starts="random")
 

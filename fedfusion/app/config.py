@@ -86,6 +86,7 @@ class Settings:
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     fedbens_starts: str = "median"
+    fedbens_modes: int = 0
     # FedBEns' baselines (issue 5)
     fedfisher_steps: int = 2000
     fedfisher_lr: float = 0.01
@@ -166,7 +167,7 @@ class Settings:
             if getattr(self, key.replace("-", "_")) < 1:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
-                    "server-steps", "server-steps-noval", "replay-members",
+                    "server-steps", "server-steps-noval", "replay-members", "fedbens-modes",
                     "server-threads"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")

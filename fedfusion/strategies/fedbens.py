@@ -81,6 +81,9 @@ class FedBEns(FusionStrategy):
         r at the per-parameter median over clients of member r. ``"members"``: one run from
         every uploaded member (sum_c M_c runs, C times the server work), so the ensemble
         holds the modes nearest each client's own solutions.
+    modes : int, default 0
+        Keep only the first ``modes`` runs (0 = all): ``modes=1`` predicts with the single
+        mode from the members-0 median, as the paper's Table 7 returns one model.
     dtype : torch.dtype, default torch.float32
         Precision of the server optimisation.
     """
@@ -91,7 +94,8 @@ class FedBEns(FusionStrategy):
                    "prior_var": "prior-var", "steps": "server-steps",
                    "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
                    "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
-                   "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts"}
+                   "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
+                   "modes": "fedbens-modes"}
 
     def __init__(
         self,
@@ -108,6 +112,7 @@ class FedBEns(FusionStrategy):
         prune_margin: float = 50.0,
         refresh_every: int = 10,
         starts: str = "median",
+        modes: int = 0,
         dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ):
@@ -117,7 +122,9 @@ class FedBEns(FusionStrategy):
                              f"got {hessian_structure!r}")
         if starts not in ("median", "members"):
             raise ValueError(f"starts must be 'median' or 'members', got {starts!r}")
-        self.starts = starts
+        if modes < 0:
+            raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
+        self.starts, self.modes = starts, modes
         # without a validation set the last (best-objective) iterate is kept, so the run
         # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
         steps = steps if self.context.val is not None else steps_noval
@@ -157,8 +164,9 @@ class FedBEns(FusionStrategy):
         """Run r starts at the per-parameter median over the clients that have member r, or
         (``starts="members"``) at each uploaded member."""
         if self.starts == "members":
-            return [u.weights(m) for u in uploads for m in range(u.num_members)]
-        runs = max(u.num_members for u in uploads)
+            starts = [u.weights(m) for u in uploads for m in range(u.num_members)]
+            return starts[: self.modes or None]
+        runs = min(max(u.num_members for u in uploads), self.modes or 1 << 30)
         starts = []
         for r in range(runs):
             holders = [u.weights(r) for u in uploads if u.num_members > r]
@@ -186,7 +194,7 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
-                "starts": self.starts,
+                "starts": self.starts, "modes": self.modes,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},
