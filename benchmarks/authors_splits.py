@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, live_run
+from common import REPO
 from fedbens import (
     BASELINES,
     LABELS,
@@ -54,8 +54,8 @@ from fedbens import (
     PAPER_ALPHAS,
     live_timing,
     replay,
+    staged_live,
     summary,
-    wait_for_live,
 )
 
 SPLITS = (REPO.parent / "shared" / "data" / "fedbens-authors-splits.npz").resolve()
@@ -85,19 +85,14 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
     full = norm == "dataset"  # the normalisation ablation trains FedBEns' own sections only
     out = str(args.out)
     start = time.perf_counter()
-    if args.stage == "replay":
-        live = wait_for_live(out, name)
-    else:
-        extra = f"extra-sections='{EXTRA_SECTIONS}'" if full else ""
-        live = live_run(
-            f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} num-members=5 "
-            f"local-epochs={args.epochs} hessian-structure=kron {extra} server-threads=1 "
-            f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
-            f"val-source='file' {NORMS[norm]}", out, name)
-    if args.stage == "live":
-        return None
-    if live.get("status") != "ok":
-        print(f"live run {name} failed ({live.get('error')}): no row")
+    extra = f"extra-sections='{EXTRA_SECTIONS}'" if full else ""
+    live = staged_live(
+        args.stage, out, name,
+        f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} num-members=5 "
+        f"local-epochs={args.epochs} hessian-structure=kron {extra} server-threads=1 "
+        f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
+        f"val-source='file' {NORMS[norm]}")
+    if live is None:
         return None
     clients_table = live["clients"]
     members = sum(c["num_members"] for c in clients_table)
@@ -344,7 +339,7 @@ def why(args: argparse.Namespace) -> None:
                       f"{row['member_accuracy_mean']:.2f}% ({row['member_accuracy_min']:.1f}-"
                       f"{row['member_accuracy_max']:.1f}); "
                       "H/T > 1/sigma^2 share: " + ", ".join(
-                          f"{k.split('.')[0]} {100 * v:.1f}%"
+                          f"{k.removesuffix('.weight')} {100 * v:.1f}%"
                           for k, v in row["likelihood_dominated_share"].items()), flush=True)
     out = args.results.with_name("authors_splits_why.json")
     out.write_text(json.dumps(table, indent=1))

@@ -134,6 +134,18 @@ def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
         time.sleep(poll_s)
 
 
+def staged_live(stage: str, out: str, name: str, run_config: str) -> dict | None:
+    """The live run ``name``: launched (stages all / live) or awaited (replay); None when
+    there is nothing to replay (the live stage, or a failed run)."""
+    live = wait_for_live(out, name) if stage == "replay" else live_run(run_config, out, name)
+    if stage == "live":
+        return None
+    if live.get("status") != "ok":
+        print(f"live run {name} failed ({live.get('error')}): no row")
+        return None
+    return live
+
+
 def live_timing(live: dict) -> dict[str, float]:
     """Wall seconds of the live run: whole, client phase (send -> every upload), server."""
     timing = live["timing"]
@@ -148,18 +160,13 @@ def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
     with_structures = f"{alpha:g}" in args.structure_alphas.split(",")
     extra = ["curvature.diag", "gram"] + (["curvature.diag_full"] if with_structures else [])
     start = time.perf_counter()
-    if args.stage == "replay":
-        live = wait_for_live(args.out, name)
-    else:
-        # one server thread: the replay stage may hold the other core (see server-threads)
-        live = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
-                        f"num-members={args.members} local-epochs={args.epochs} "
-                        f"hessian-structure=kron extra-sections='{','.join(extra)}' "
-                        "server-threads=1", args.out, name)
-    if args.stage == "live":
-        return None
-    if live.get("status") != "ok":
-        print(f"live run {name} failed ({live.get('error')}): no row")
+    # one server thread: the replay stage may hold the other core (see server-threads)
+    live = staged_live(args.stage, args.out, name,
+                       f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
+                       f"num-members={args.members} local-epochs={args.epochs} "
+                       f"hessian-structure=kron extra-sections='{','.join(extra)}' "
+                       "server-threads=1")
+    if live is None:
         return None
     clients = live["clients"]
     members = sum(c["num_members"] for c in clients)
