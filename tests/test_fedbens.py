@@ -184,3 +184,18 @@ def test_fedbens_on_real_fmnist_with_replay_and_client_removal(tmp_path):
                                         replay_clients="0,2", run_name="fewer"))
     assert [c["client_id"] for c in fewer["clients"]] == [0, 2]
     assert fewer["test"]["accuracy"] != live["test"]["accuracy"]
+
+
+def test_replay_keeps_a_number_of_members_per_client(small_settings):
+    """replay-client-members: system heterogeneity (paper Table 7) from one M = 2 run (the
+    ensemble strategy: its predictor then holds exactly the members kept)."""
+    live = small_settings.replace(strategy="ensemble", num_members=2, local_epochs=1,
+                                  run_name="live")
+    run_server(live, InProcessGrid(live))
+    uploads = f"{small_settings.output_dir}/live/uploads"
+    replayed = run_server(small_settings.replace(
+        strategy="ensemble", replay=uploads, replay_client_members="1,2,1", run_name="hetero"))
+    assert replayed["num_members"] == [1, 2, 1]
+    with pytest.raises(ValueError, match="lists 2 clients but the uploads hold client 2"):
+        run_server(small_settings.replace(strategy="ensemble", replay=uploads,
+                                          replay_client_members="1,1", run_name="short"))
