@@ -175,3 +175,22 @@ def test_server_optimiser_refuses_a_non_finite_objective():
     starts = [make_upload(0, members=1).weights(0), make_upload(1, members=1).weights(0)]
     with pytest.raises(FloatingPointError, match=r"not finite at step 0 in run\(s\) \[1\]"):
         ServerOptimiser(steps=3).maximise(objective, starts, FusionContext(SPEC))
+
+
+def test_initial_models_are_seeded_and_perturbed_around_member_0_on_request():
+    independent = FedAvg(SPEC, num_members=3, seed=4).initial_models()
+    again = FedAvg(SPEC, num_members=3, seed=4).initial_models()
+    perturbed = FedAvg(SPEC, num_members=3, seed=4, init_perturbation=0.001).initial_models()
+    for name in independent[0]:
+        np.testing.assert_array_equal(independent[1][name], again[1][name])  # seeded
+        np.testing.assert_array_equal(perturbed[0][name], independent[0][name])
+        assert independent[1][name].dtype == perturbed[1][name].dtype
+    for m in (1, 2):
+        noise = np.concatenate([(perturbed[m][k] - perturbed[0][k]).ravel()
+                                for k in perturbed[0]])
+        assert 0.0009 < noise.std() < 0.0011 and abs(noise.mean()) < 1e-4
+        spread = np.concatenate([(independent[m][k] - independent[0][k]).ravel()
+                                 for k in independent[0]])
+        assert spread.std() > 10 * noise.std()  # independent inits are far apart
+    with pytest.raises(ValueError, match="init_perturbation"):
+        FedAvg(SPEC, init_perturbation=-1.0)

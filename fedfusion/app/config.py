@@ -56,6 +56,7 @@ class Settings:
     model: str = ""
     model_kwargs: str = ""
     num_members: int = 1
+    init_perturbation: float = 0.0
     local_epochs: int = 20
     lr: float = 0.01
     momentum: float = 0.9
@@ -186,6 +187,8 @@ class Settings:
                 c not in "0123456789abcdef" for c in self.partition_sha256)):
             raise ConfigError("run-config 'partition-sha256' must be 64 lowercase hex digits")
         self.parsed_input_stats()
+        if not (self.init_perturbation >= 0 and math.isfinite(self.init_perturbation)):
+            raise ConfigError("run-config 'init-perturbation' must be a finite number >= 0")
         if self.min_valid_uploads < 1:
             raise ConfigError("run-config 'min-valid-uploads' must be >= 1")
         if self.member_fusion not in ("", "first", "each", "all"):
@@ -390,6 +393,7 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             val=val,
             device=device,
             seed=settings.seed,
+            init_perturbation=settings.init_perturbation,
             min_valid_uploads=settings.min_valid_uploads,
             round_timeout=settings.round_timeout,
             extra_sections=[s for s in settings.extra_sections.split(",") if s],

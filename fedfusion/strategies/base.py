@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 from abc import ABC, abstractmethod
@@ -93,6 +94,10 @@ COMMON_PARAMETERS = """
         Where the server fuses: "auto" = CUDA when present, else the CPU.
     seed : int, default 0
         Seeds the initial models and every random choice of the server.
+    init_perturbation : float, default 0.0
+        0: every member gets its own seeded init (FedBEns). s > 0: member m > 0 starts from
+        member 0's init plus N(0, s^2) noise, a local ensemble around one init (the FedBEns
+        paper's Table 7 clients with M = 3, s = 0.001).
     fraction_train : float, default 1.0
         As Flower's strategies: the fraction of available nodes sampled for training.
     min_train_nodes : int, default 2
@@ -152,6 +157,7 @@ class FusionStrategy(Strategy, ABC):
         val: LabelledData | None = None,
         device: str | torch.device = "auto",
         seed: int = 0,
+        init_perturbation: float = 0.0,
         fraction_train: float = 1.0,
         min_train_nodes: int = 2,
         min_available_nodes: int = 2,
@@ -176,6 +182,9 @@ class FusionStrategy(Strategy, ABC):
         _check("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
         _check("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
         _check("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
+        _check("init_perturbation", init_perturbation,
+               math.isfinite(init_perturbation) and init_perturbation >= 0, "a number >= 0")
+        self.init_perturbation = float(init_perturbation)
         self.members = members or self.member_modes[0]
         _check("members", self.members, self.members in self.member_modes,
                f"one of {self.member_modes} for {type(self).__name__}")
@@ -294,10 +303,16 @@ class FusionStrategy(Strategy, ABC):
     # ------------------------------------------------------- Flower Message API
     def initial_models(self) -> list[NumpyDict]:
         """The M initial models the strategy broadcasts (FedBEns Algorithm 1, line 1), seeded
-        by ``seed``: member m from ``torch.manual_seed(seed * 7919 + m)``."""
+        by ``seed``: member m from ``torch.manual_seed(seed * 7919 + m)``, or with
+        ``init_perturbation`` s > 0 member 0's init plus that seed's N(0, s^2) noise."""
         models = []
         for m in range(self.num_members):
             torch.manual_seed(self.context.seed * 7919 + m)
+            if self.init_perturbation and m > 0:
+                models.append({k: (v + self.init_perturbation * torch.randn(
+                    v.shape, dtype=torch.float64).numpy()).astype(v.dtype)
+                    for k, v in models[0].items()})
+                continue
             model = self.context.model_spec.build()
             models.append({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
         return models
