@@ -18,6 +18,12 @@ Gram matrices; everything else is a server-side replay of those uploads:
   trained on inputs normalised with the MNIST constants (0.1307, 0.3081) the authors' code
   uses, FedBEns only (the normalisation ablation).
 * ``table2``: alpha 0.3, C = 10, 20, 40; FedBEns Kron and the baselines.
+* ``table7``: the paper's system-heterogeneity protocol at alpha 0.05 / 0.4: a live run with
+  M = 3 members trained from one init plus N(0, 0.001^2) noise (``init-perturbation``), then
+  replays keeping 1 member of clients 0-2 and 3 of clients 3-4, against 1 member everywhere,
+  predicting with one model (the members-0 run's mode) as the paper does. (Table 1's cells
+  also replay this split from their independently initialised members, ``fedbens_hetero*``:
+  there the extra members sit in other basins and carry no mixture weight.)
 * ``tables``: print the tables of the saved results and draw the plots.
 * ``why``: for every (alpha, seed) trained with both normalisations, what the input scale
   changes in the uploads: each member's own test accuracy, its weight norms, and per layer
@@ -74,22 +80,27 @@ PAPER_TABLE7 = {0.05: (57.02, 59.57), 0.4: (77.07, 78.31)}
 HETERO_MEMBERS = "1,1,1,3,3"
 
 
-def cell_name(clients: int, alpha: float, seed: int, norm: str) -> str:
-    return f"C{clients}_a{alpha:g}-s{seed}" + ("" if norm == "dataset" else f"-{norm}")
+def cell_name(clients: int, alpha: float, seed: int, norm: str, table: str = "table1") -> str:
+    return (f"C{clients}_a{alpha:g}-s{seed}" + ("" if norm == "dataset" else f"-{norm}")
+            + ("-t7" if table == "table7" else ""))
 
 
 def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
              args: argparse.Namespace) -> dict | None:
     """One cell: the live run (stages all / live), then its replays (all / replay)."""
-    name = cell_name(clients, alpha, seed, norm)
-    full = norm == "dataset"  # the normalisation ablation trains FedBEns' own sections only
+    name = cell_name(clients, alpha, seed, norm, table)
+    # the normalisation ablation and Table 7 train FedBEns' own sections only
+    full = norm == "dataset" and table != "table7"
     out = str(args.out)
     start = time.perf_counter()
     extra = f"extra-sections='{EXTRA_SECTIONS}'" if full else ""
+    if table == "table7":
+        extra = "num-members=3 init-perturbation=0.001"
     live = staged_live(
         args.stage, out, name,
-        f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} num-members=5 "
-        f"local-epochs={args.epochs} hessian-structure=kron {extra} server-threads=1 "
+        f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} "
+        f"local-epochs={args.epochs} hessian-structure=kron server-threads=1 "
+        f"{extra or 'num-members=5'} "
         f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
         f"val-source='file' {NORMS[norm]}")
     if live is None:
@@ -110,6 +121,12 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
     def add(method: str, tag: str, **changes: object) -> None:
         methods[method] = summary(replay(out, name, tag, **changes))
 
+    if table == "table7":
+        add("fedbens_m1", "m1", strategy="fedbens", replay_members=1)
+        add("fedbens_hetero", "hetero1", strategy="fedbens", fedbens_modes=1,
+            replay_client_members=HETERO_MEMBERS)
+        row["bench_wall_s"] = time.perf_counter() - start
+        return row
     add("fedbens_noval", "noval100", strategy="fedbens", server_validation=False)
     # beyond the paper: a run from every uploaded member (C x M modes) instead of M medians
     add("fedbens_members", "starts_members", strategy="fedbens", fedbens_starts="members")
@@ -148,6 +165,9 @@ def cells(args: argparse.Namespace) -> list[tuple[str, int, float, int, str]]:
             for alpha in args.alphas:
                 for norm in args.norms:
                     found.append(("table1", 5, alpha, seed, norm))
+        elif args.command == "table7":
+            for alpha in PAPER_TABLE7:
+                found.append(("table7", 5, alpha, seed, "dataset"))
         else:
             for clients in (10, 20, 40):
                 found.append(("table2", clients, 0.3, seed, "dataset"))
@@ -206,7 +226,7 @@ def print_tables(rows: list[dict]) -> None:
                 label = LABELS[method] + ("" if norm == "dataset" else
                                           ", MNIST input normalisation")
                 print(f"| {label} | " + " | ".join(cells_) + " |")
-        print("\nTable 7: system heterogeneity (FedBEns Kron, validation); clients 3 and 4 "
+        print("\nTable 7 from Table 1's uploads (independent inits): clients 3 and 4 "
               "have M = 3; one model (the members-0 run's mode) as in the paper, and the "
               "ensemble of the 3 runs' modes")
         print("| alpha | all clients M = 1 | 3 clients M = 1, 2 clients M = 3 | same, "
@@ -228,6 +248,7 @@ def print_tables(rows: list[dict]) -> None:
                 swept = [r for r in t1 if f"fedbens_{prefix}{values[0]:g}" in r["methods"]]
                 print(f"| {value:g} | " + " | ".join(
                     cell(stats(swept, method, alpha=a, norm="dataset")) for a in alphas) + " |")
+    print_table7([r for r in rows if r["table"] == "table7"])
     t2 = [r for r in rows if r["table"] == "table2"]
     if t2:
         print("\nTable 2: alpha 0.3, the authors' splits; test accuracy %")
@@ -243,6 +264,18 @@ def print_tables(rows: list[dict]) -> None:
         fit = [100 * r["fit_over_train"] for r in rows]
         print(f"\nKron fit / local training: max {max(fit):.1f}% over {len(fit)} live runs; "
               f"live run wall: mean {statistics.mean(r['live_wall_s'] for r in rows):.0f} s")
+
+
+def print_table7(t7: list[dict]) -> None:
+    if not t7:
+        return
+    print("\nTable 7 (the paper's protocol): clients 3-4 train M = 3 members from one init "
+          "(+ N(0, 0.001^2)), clients 0-2 keep member 0; one model (the members-0 run's mode)")
+    print("| alpha | all clients M = 1 | 3 clients M = 1, 2 clients M = 3 |")
+    print("|---|---|---|")
+    for alpha, (paper_m1, paper_hetero) in PAPER_TABLE7.items():
+        print(f"| {alpha:g} | {cell(stats(t7, 'fedbens_m1', alpha=alpha), paper_m1)} | "
+              f"{cell(stats(t7, 'fedbens_hetero', alpha=alpha), paper_hetero)} |")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -348,7 +381,7 @@ def why(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("table1", "table2", "tables", "why"))
+    parser.add_argument("command", choices=("table1", "table2", "table7", "tables", "why"))
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
     parser.add_argument("--norms", default="dataset,mnist",
