@@ -335,6 +335,9 @@ def test_the_run_config_handed_to_flwr_run(tmp_path, monkeypatch):
                           "num-clients=3", f"output-dir='{tmp_path / 'out'}'",
                           "run-name='deploy-tls'"]
     assert plan.results == tmp_path / "out" / "deploy-tls" / "results.json"
+    # paths of this machine are made absolute: Flower's processes run in other folders
+    assert plan_run("partition-file=split.npz data-dir=''", None, tmp_path, "y").items[-1] == \
+        f"partition-file='{tmp_path / 'split.npz'}'"
     assert plan_run("num-clients=5 run-name=x", None, tmp_path, "y").num_clients == 5
     assert plan_run("", 4, tmp_path, "y").items[0] == "num-clients=4"
     with pytest.raises(ValueError, match="--num-clients 4 contradicts the run config's "

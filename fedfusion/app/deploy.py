@@ -48,6 +48,7 @@ from pathlib import Path
 
 from fedfusion.app.launch import (
     _toml_item,
+    absolute_paths,
     free_port,
     is_running,
     run_config_value,
@@ -196,9 +197,11 @@ def plan_run(run_config: str, num_clients: int | None, output_dir: Path, run_nam
     out = Path((run_config_value(run_config, "output-dir") or "").strip("'\"") or output_dir)
     out = out.expanduser().resolve()
     name = (run_config_value(run_config, "run-name") or "").strip("'\"") or run_name
-    items = [_toml_item(item) for item in items
-             if item.partition("=")[0] not in ("num-clients", "output-dir", "run-name")]
+    paths = absolute_paths(run_config)
+    items = [_toml_item(item) for item in items if item.partition("=")[0] not in (
+        "num-clients", "output-dir", "run-name", *paths)]
     items += [f"num-clients={num_clients}", f"output-dir='{out}'", f"run-name='{name}'"]
+    items += [f"{key}='{value}'" for key, value in paths.items()]
     return RunPlan(items, num_clients, out / name / "results.json")
 
 

@@ -108,6 +108,17 @@ DEFAULT_SIMULATION = {"num-supernodes": 5, "client-resources-num-cpus": 1,
                       "client-resources-num-gpus": 0.0}
 
 
+#: run-config keys holding a path of this machine (besides output-dir)
+PATH_KEYS = ("partition-file", "data-dir", "replay")
+
+
+def absolute_paths(run_config: str) -> dict[str, str]:
+    """The run config's non-empty :data:`PATH_KEYS`, made absolute against this process's
+    folder: Flower's processes run in folders of their own."""
+    return {key: str(Path(value).expanduser().resolve()) for key in PATH_KEYS
+            if (value := (run_config_value(run_config, key) or "").strip("'\""))}
+
+
 def simulation_defaults(app_dir: Path) -> dict[str, object]:
     pyproject = tomllib.loads((app_dir / "pyproject.toml").read_text())
     return {**DEFAULT_SIMULATION,
@@ -134,9 +145,11 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     output_dir = str(Path(output_dir.strip("'\"")).expanduser().resolve())
     run_name = (run_config_value(run_config, "run-name") or "").strip("'\"") or (
         time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    paths = absolute_paths(run_config)
     items = [_toml_item(item) for item in shlex.split(run_config)
-             if item.partition("=")[0] not in ("output-dir", "run-name")]
+             if item.partition("=")[0] not in ("output-dir", "run-name", *paths)]
     items += [f"output-dir='{output_dir}'", f"run-name='{run_name}'"]
+    items += [f"{key}='{value}'" for key, value in paths.items()]
     http_port, control_port = free_port(), free_port()
     env = dict(os.environ, FLWR_HOME=tempfile.mkdtemp(prefix="fedfusion-flwr-"),
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
