@@ -93,14 +93,13 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
     full = norm == "dataset" and table != "table7"
     out = str(args.out)
     start = time.perf_counter()
+    members = "num-members=3 init-perturbation=0.001" if table == "table7" else "num-members=5"
     extra = f"extra-sections='{EXTRA_SECTIONS}'" if full else ""
-    if table == "table7":
-        extra = "num-members=3 init-perturbation=0.001"
     live = staged_live(
         args.stage, out, name,
         f"strategy=fedbens alpha={alpha} seed={seed} num-clients={clients} "
         f"local-epochs={args.epochs} hessian-structure=kron server-threads=1 "
-        f"{extra or 'num-members=5'} "
+        f"{members} {extra} "
         f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
         f"val-source='file' {NORMS[norm]}")
     if live is None:
@@ -303,7 +302,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].plot(alphas, means, "s:", color="k", label="FedBEns, MNIST normalisation")
     axes[0].set(xscale="log", xlabel="Dirichlet alpha", ylabel="test accuracy (%)",
                 title="Authors' splits: ours (solid) vs paper (dashed)")
-    axes[0].set_xticks(alphas, [f"{a:g}" for a in alphas])
+    axes[0].set_xticks(PAPER_ALPHAS, [f"{a:g}" for a in PAPER_ALPHAS])
     axes[0].minorticks_off()
     axes[0].legend(fontsize=7)
     for ax, values, live, prefix, label in (
