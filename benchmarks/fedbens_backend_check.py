@@ -29,12 +29,12 @@ sys.path.insert(0, str(REPO))
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.app.federation import federated_split  # noqa: E402
-from fedfusion.client_app import default_model  # noqa: E402
+from fedfusion.client_app import default_model, section_options  # noqa: E402
 from fedfusion.payload import WEIGHTS  # noqa: E402
 from fedfusion.predictors import ModelSpec  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 from fedfusion.upload_store import load_uploads, save_uploads  # noqa: E402
-from fedfusion.uploads import build_section  # noqa: E402
+from fedfusion.uploads import SectionOptions, build_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "fedbens_backend_check.json"
 SECTION = "curvature.kron"
@@ -49,12 +49,13 @@ def refit(uploads_dir: Path, backend: str, out: Path) -> float:
     bundle = split.bundle
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
+    options = SectionOptions(**section_options(settings))
     seconds = []
     for upload in uploads:
         x, y = split.client_data(upload.client_id)
         for m, member in enumerate(upload.members):
             start = time.perf_counter()
-            member[SECTION] = build_section(SECTION, spec.build(member[WEIGHTS]), x, y, settings)
+            member[SECTION] = build_section(SECTION, spec.build(member[WEIGHTS]), x, y, options)
             seconds.append(time.perf_counter() - start)
             print(f"client {upload.client_id} member {m + 1}/{upload.num_members}: {backend} "
                   f"fit {seconds[-1]:.1f} s ({len(y)} samples)", flush=True)
