@@ -10,15 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from conftest import InProcessGrid
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fuzz import FUZZ
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.datasets import PartitionError, load_dataset
 from fedfusion.datasets.partition_file import read_partition_file, write_partition_file
 from fedfusion.server_app import run_server
-from tests.conftest import InProcessGrid
 
 AUTHORS_SPLITS = Path(__file__).resolve().parents[2] / "shared" / "data" / \
     "fedbens-authors-splits.npz"
@@ -99,7 +100,7 @@ def test_npz_defects_are_named(tmp_path):
         read_partition_file(path, 10, 1)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FUZZ
 @given(data=st.binary(max_size=400), suffix=st.sampled_from([".npz", ".json"]))
 def test_fuzz_arbitrary_bytes_are_read_or_refused(tmp_path_factory, data, suffix):
     path = tmp_path_factory.mktemp("fuzz") / f"p{suffix}"
@@ -118,7 +119,7 @@ _json_values = st.recursive(
     max_leaves=25)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(FUZZ, max_examples=300)
 @given(content=_json_values)
 def test_fuzz_json_structures_give_a_valid_partition_or_a_partition_error(tmp_path_factory,
                                                                          content):

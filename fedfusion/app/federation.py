@@ -114,7 +114,8 @@ def _file_identity(path: str) -> tuple:
 def _file_split(dataset: str, data_dir: str | None, val_size: int, val_source: str,
                 path: str, key: str, num_clients: int, seed: int,
                 stats: tuple | None, identity: tuple) -> FederatedSplit:
-    """(``identity``: the file's size and mtime, so that a changed file is read again.)"""
+    """(``identity``: the file's size, mtime and inode, so that a changed file is read
+    again.)"""
     # rows in the file index the full training set: load it without a holdout
     full = load_dataset(dataset, data_dir=data_dir, val_size=0, seed=seed, stats=stats)
     part = read_partition_file(path, len(full.train), num_clients, key)

@@ -182,8 +182,8 @@ def _rows(values: object, num_rows: int, where: str) -> np.ndarray:
         if not isinstance(values, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise PartitionError(f"{where} must be a list of integer rows")
-        array = np.asarray(values, dtype=object)
-        if array.size and (min(values) < 0 or max(values) >= num_rows):
+        # checked as Python ints: a huge row would overflow int64
+        if values and (min(values) < 0 or max(values) >= num_rows):
             bad = next(v for v in values if not 0 <= v < num_rows)
             raise PartitionError(f"{where}: row {bad} is outside the training set's "
                                  f"0..{num_rows - 1}")

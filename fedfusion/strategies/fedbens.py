@@ -164,11 +164,11 @@ class FedBEns(FusionStrategy):
         """Run r starts at the per-parameter median over the clients that have member r, or
         (``starts="members"``) at each uploaded member."""
         if self.starts == "members":
-            starts = [u.weights(m) for u in uploads for m in range(u.num_members)]
-            return starts[: self.modes or None]
-        runs = min(max(u.num_members for u in uploads), self.modes or 1 << 30)
+            return [u.weights(m) for u in uploads for m in range(u.num_members)][
+                : self.modes or None]
+        runs = max(u.num_members for u in uploads)
         starts = []
-        for r in range(runs):
+        for r in range(min(runs, self.modes) if self.modes else runs):
             holders = [u.weights(r) for u in uploads if u.num_members > r]
             starts.append({name: np.median(np.stack([h[name] for h in holders]), axis=0)
                            for name in holders[0]})
