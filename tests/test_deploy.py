@@ -332,8 +332,8 @@ def test_the_run_config_handed_to_flwr_run(tmp_path, monkeypatch):
     plan = plan_run("strategy=fedbens alpha=0.5 model-kwargs='{\"a\": 1}' output-dir=out",
                     None, tmp_path / "default", "deploy-tls")
     assert plan.items == ["strategy='fedbens'", "alpha=0.5", "model-kwargs='{\"a\": 1}'",
-                          "num-clients=3", f"output-dir='{tmp_path / 'out'}'",
-                          "run-name='deploy-tls'"]
+                          "num-clients=3", "run-name='deploy-tls'",
+                          f"output-dir='{tmp_path / 'out'}'"]
     assert plan.results == tmp_path / "out" / "deploy-tls" / "results.json"
     # paths of this machine are made absolute: Flower's processes run in other folders
     assert plan_run("partition-file=split.npz data-dir=''", None, tmp_path, "y").items[-1] == \

@@ -194,15 +194,13 @@ def plan_run(run_config: str, num_clients: int | None, output_dir: Path, run_nam
                              f"num-clients={given}")
         num_clients = int(given)
     num_clients = 3 if num_clients is None else num_clients
-    out = Path((run_config_value(run_config, "output-dir") or "").strip("'\"") or output_dir)
-    out = out.expanduser().resolve()
     name = (run_config_value(run_config, "run-name") or "").strip("'\"") or run_name
-    paths = absolute_paths(run_config)
+    paths = absolute_paths(run_config, output_dir)
     items = [_toml_item(item) for item in items if item.partition("=")[0] not in (
-        "num-clients", "output-dir", "run-name", *paths)]
-    items += [f"num-clients={num_clients}", f"output-dir='{out}'", f"run-name='{name}'"]
+        "num-clients", "run-name", *paths)]
+    items += [f"num-clients={num_clients}", f"run-name='{name}'"]
     items += [f"{key}='{value}'" for key, value in paths.items()]
-    return RunPlan(items, num_clients, out / name / "results.json")
+    return RunPlan(items, num_clients, Path(paths["output-dir"]) / name / "results.json")
 
 
 # ------------------------------------------------------------------------- processes

@@ -108,15 +108,18 @@ DEFAULT_SIMULATION = {"num-supernodes": 5, "client-resources-num-cpus": 1,
                       "client-resources-num-gpus": 0.0}
 
 
-#: run-config keys holding a path of this machine (besides output-dir)
-PATH_KEYS = ("partition-file", "data-dir", "replay")
+#: run-config keys holding a path of this machine
+PATH_KEYS = ("output-dir", "partition-file", "data-dir", "replay")
 
 
-def absolute_paths(run_config: str) -> dict[str, str]:
-    """The run config's non-empty :data:`PATH_KEYS`, made absolute against this process's
-    folder: Flower's processes run in folders of their own."""
-    return {key: str(Path(value).expanduser().resolve()) for key in PATH_KEYS
-            if (value := (run_config_value(run_config, key) or "").strip("'\""))}
+def absolute_paths(run_config: str, output_dir: Path | str) -> dict[str, str]:
+    """The run config's non-empty :data:`PATH_KEYS` (``output-dir`` defaulting to
+    ``output_dir``), made absolute against this process's folder: Flower's processes run in
+    folders of their own."""
+    given = {key: (run_config_value(run_config, key) or "").strip("'\"") for key in PATH_KEYS}
+    given["output-dir"] = given["output-dir"] or str(output_dir)
+    return {key: str(Path(value).expanduser().resolve()) for key, value in given.items()
+            if value}
 
 
 def simulation_defaults(app_dir: Path) -> dict[str, object]:
@@ -141,15 +144,12 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     federation["num-supernodes"] = num_supernodes or int(clients or federation["num-supernodes"])
     if clients is None:
         run_config += f" num-clients={federation['num-supernodes']}"
-    output_dir = run_config_value(run_config, "output-dir") or str(app_dir / "outputs")
-    output_dir = str(Path(output_dir.strip("'\"")).expanduser().resolve())
     run_name = (run_config_value(run_config, "run-name") or "").strip("'\"") or (
         time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-    paths = absolute_paths(run_config)
+    paths = absolute_paths(run_config, app_dir / "outputs")
     items = [_toml_item(item) for item in shlex.split(run_config)
-             if item.partition("=")[0] not in ("output-dir", "run-name", *paths)]
-    items += [f"output-dir='{output_dir}'", f"run-name='{run_name}'"]
-    items += [f"{key}='{value}'" for key, value in paths.items()]
+             if item.partition("=")[0] not in ("run-name", *paths)]
+    items += [f"run-name='{run_name}'"] + [f"{key}='{value}'" for key, value in paths.items()]
     http_port, control_port = free_port(), free_port()
     env = dict(os.environ, FLWR_HOME=tempfile.mkdtemp(prefix="fedfusion-flwr-"),
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
@@ -175,7 +175,7 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
         subprocess.run(command, env=env, timeout=timeout, check=False)
     finally:
         stop_superlink(http_port)
-    results_file = Path(output_dir) / run_name / "results.json"
+    results_file = Path(paths["output-dir"]) / run_name / "results.json"
     if not results_file.is_file():
         raise RuntimeError(f"the run wrote no {results_file}: see the log above")
     results = json.loads(results_file.read_text())

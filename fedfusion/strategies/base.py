@@ -353,7 +353,7 @@ class FusionStrategy(Strategy, ABC):
         config[ROUND_KEY] = server_round
         config[SECTIONS_KEY] = list(self.required_sections)
         config[MODEL_KEY] = spec.name
-        config[MODEL_KWARGS_KEY] = _json(spec.kwargs)
+        config[MODEL_KWARGS_KEY] = json.dumps(spec.kwargs, sort_keys=True)
         for key, value in self.client_config.items():
             config[key] = value
         optional = [s for s in self.extra_sections if s not in self.required_sections]
@@ -443,10 +443,6 @@ FusionStrategy.__doc__ = (FusionStrategy.__doc__ or "").rstrip() + "\n" + COMMON
 def _check(name: str, value: object, ok: bool, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def _json(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
 
 
 def _summarise_reason(reason: str, limit: int = 400) -> str:
