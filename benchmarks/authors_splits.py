@@ -256,7 +256,7 @@ def print_tables(rows: list[dict]) -> None:
         counts = sorted({r["clients"] for r in t2})
         print("| method | " + " | ".join(f"C = {c}" for c in counts) + " |")
         print("|---|" + "---|" * len(counts))
-        for method in ["fedbens", "fedbens_noval", *BASELINES]:
+        for method in ["fedbens", "fedbens_noval", "fedbens_diag_full", *BASELINES]:
             cells_ = [cell(stats(t2, method, clients=c),
                            PAPER_TABLE2.get(c) if method == "fedbens" else None) for c in counts]
             if any(c != "-" for c in cells_):
