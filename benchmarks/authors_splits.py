@@ -249,6 +249,7 @@ def print_tables(rows: list[dict]) -> None:
                 swept = [r for r in t1 if f"fedbens_{prefix}{values[0]:g}" in r["methods"]]
                 print(f"| {value:g} | " + " | ".join(
                     cell(stats(swept, method, alpha=a, norm="dataset")) for a in alphas) + " |")
+        print_against_paper(t1, alphas)
     print_table7([r for r in rows if r["table"] == "table7"])
     t2 = [r for r in rows if r["table"] == "table2"]
     if t2:
@@ -265,6 +266,24 @@ def print_tables(rows: list[dict]) -> None:
         fit = [100 * r["fit_over_train"] for r in rows]
         print(f"\nKron fit / local training: max {max(fit):.1f}% over {len(fit)} live runs; "
               f"live run wall: mean {statistics.mean(r['live_wall_s'] for r in rows):.0f} s")
+
+
+def print_against_paper(t1: list[dict], alphas: list[float]) -> None:
+    """FedBEns (the paper's algorithm, and with member starts) against the paper, per alpha
+    and on the four-alpha average; then the member starts cell by cell (same uploads)."""
+    print("\nFedBEns against the paper (FMNIST normalisation): mean over seeds, difference")
+    for method in ("fedbens", "fedbens_members"):
+        diffs = [statistics.mean(v) - PAPER["fedbens"][PAPER_ALPHAS.index(a)]
+                 for a in alphas if (v := stats(t1, method, alpha=a, norm="dataset"))]
+        print(f"  {LABELS[method]}: " + ", ".join(f"{d:+.2f}" for d in diffs)
+              + (f"; average {statistics.mean(diffs):+.2f}" if diffs else ""))
+    gains = [100 * (r["methods"]["fedbens_members"]["accuracy"]
+                    - r["methods"]["fedbens"]["accuracy"])
+             for r in t1 if "fedbens_members" in r["methods"]]
+    if gains:
+        print(f"  member starts against the medians, per cell (both normalisations): better in "
+              f"{sum(g > 0 for g in gains)} of {len(gains)}, {min(gains):+.2f} to "
+              f"{max(gains):+.2f}, mean {statistics.mean(gains):+.2f} points")
 
 
 def print_table7(t7: list[dict]) -> None:
