@@ -29,8 +29,12 @@ The authors' figures (``../shared/notes/fedbens-reference-run.md``: their code, 
 this kind of machine, one process with 2 threads) are printed beside ours.
 
     .venv/bin/python benchmarks/authors_setting.py        # a few minutes on 2 quiet cores
+    .venv/bin/python benchmarks/authors_setting.py --alphas 0.1,0.4 --seeds 0,1,2
 
-Prints a table and writes benchmarks/results/authors_setting.json.
+Prints the tables of each run and, with several runs, a summary and FedBEns' accuracy before
+issue 16 (``benchmarks/results/fedbens.json``, same cells) against these runs; writes
+benchmarks/results/authors_setting.json: every run in ``runs`` (those of earlier invocations
+at other cells kept, each with its commit), the alpha 0.1 / seed 0 run at the top level.
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
 
-from common import REPO, live_run
+from common import REPO, cell, live_run
 
 RESULTS = REPO / "benchmarks" / "results" / "authors_setting.json"
+#: FedBEns before issue 16 (benchmarks/fedbens.py, the same setting)
+BEFORE = REPO / "benchmarks" / "results" / "fedbens.json"
 
 #: the authors' code on this machine (alpha 0.1, seed 0; fedbens-reference-run.md)
 AUTHORS = {"accuracy_pct": 75.38, "nll": 0.691, "client_train_s": 581.0, "client_fit_s": 256.0,
@@ -161,17 +168,11 @@ class MemorySampler(threading.Thread):
         return kinds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO / "outputs" / "bench-authors-setting"))
-    parser.add_argument("--alpha", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--local-epochs", type=int, default=20,
-                        help="20 is the authors' setting; fewer for a quick look")
-    args = parser.parse_args()
-    name = f"a{args.alpha:g}-s{args.seed}" + (
-        f"-e{args.local_epochs}" if args.local_epochs != 20 else "")
-    done = Path(args.out) / name / "results.json"
+def measure(alpha: float, seed: int, local_epochs: int, out: str) -> dict:
+    """One live run in the authors' setting at (``alpha``, ``seed``): its tables printed, its
+    record returned."""
+    name = f"a{alpha:g}-s{seed}" + (f"-e{local_epochs}" if local_epochs != 20 else "")
+    done = Path(out) / name / "results.json"
     if done.is_file():
         done.unlink()  # always a fresh run: this script measures time and memory
     tag = f"{TAG}={os.getpid()}-{time.time_ns()}"
@@ -180,9 +181,9 @@ def main() -> None:
     load_start = os.getloadavg()
     sampler.start()
     start = time.perf_counter()
-    results = live_run(f"strategy=fedbens alpha={args.alpha} seed={args.seed} num-clients=5 "
-                       f"num-members=5 local-epochs={args.local_epochs} hessian-structure=kron",
-                       args.out, name)
+    results = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
+                       f"num-members=5 local-epochs={local_epochs} hessian-structure=kron",
+                       out, name)
     launch_s = time.perf_counter() - start
     sampler.stop.set()
     sampler.join()
@@ -238,9 +239,9 @@ def main() -> None:
                "largest_process_peak_gb": AUTHORS["peak_gb"],
                "largest_client_peak_gb": AUTHORS["peak_gb"]}
     load_end = os.getloadavg()
-    print(f"\nFedBEns, FMNIST LeNet, C=5, M=5, Kron, alpha {args.alpha:g}, seed {args.seed} "
+    print(f"\nFedBEns, FMNIST LeNet, C=5, M=5, Kron, alpha {alpha:g}, seed {seed} "
           f"(load average before: {load_start[0]:.2f}, after: {load_end[0]:.2f})")
-    print("| measure | fedfusion | authors' code |")
+    print("| measure | fedfusion | authors' code (alpha 0.1, seed 0) |")
     print("|---|---|---|")
     for label, key, spec in rows:
         print(f"| {label} | {format(ours[key], spec)} | {format(authors[key], spec)} |")
@@ -256,18 +257,81 @@ def main() -> None:
     for kind, gb in kinds.items():
         if gb >= 0.05:
             print(f"| {kind} | {gb:.2f} | {private.get(kind, 0.0):.2f} |")
-    target = RESULTS if args.local_epochs == 20 else RESULTS.with_name(
-        f"authors_setting-e{args.local_epochs}.json")
-    target.write_text(json.dumps({
-        "alpha": args.alpha, "seed": args.seed, "local_epochs": args.local_epochs,
-        "ours": ours, "authors": AUTHORS,
+    return {
+        "alpha": alpha, "seed": seed, "local_epochs": local_epochs, "ours": ours,
         "fit_over_train": fit_s / ours["client_train_s"], "time_split_s": split,
         "process_peak_gb": kinds, "process_private_peak_gb": private, "per_client": [
             {k: c.get(k) for k in ("client_id", "num_examples", "train_time_s", "load_time_s",
                                    "client_time_s", "section_time_s", "upload_mb")}
             for c in clients],
-        "load_avg_start": load_start, "load_avg_end": load_end,
-        "run": str(done.parent)}, indent=1))
+        "load_avg_start": load_start, "load_avg_end": load_end, "run": str(done.parent),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_version()}
+
+
+def code_version() -> str:
+    """The checkout's commit, with ``+changes`` when the working tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=False).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if git(
+        "status", "--porcelain", "--untracked-files=no") else "")
+
+
+def accuracy_before_after(runs: list[dict]) -> list[dict]:
+    """Per alpha: FedBEns' test accuracy of these runs against the same (alpha, seed) cells
+    of ``benchmarks/results/fedbens.json``, measured before issue 16 (members trained one
+    after another with PyTorch's layers; same setting, those clients also uploaded extra
+    sections, which do not change training)."""
+    before = json.loads(BEFORE.read_text()) if BEFORE.is_file() else []
+    rows = []
+    for alpha in sorted({r["alpha"] for r in runs}):
+        after = {r["seed"]: r["ours"]["accuracy_pct"] for r in runs if r["alpha"] == alpha}
+        old = {r["seed"]: 100 * r["methods"]["fedbens"]["accuracy"] for r in before
+               if r["alpha"] == alpha and r["seed"] in after and "fedbens" in r["methods"]}
+        rows.append({"alpha": alpha, "seeds": sorted(after), "after": after, "before": old})
+    print("\n| alpha | seeds | before issue 16, % | after, % | per seed, before -> after |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        pairs = ", ".join(f"{row['before'].get(s, float('nan')):.2f} -> {row['after'][s]:.2f}"
+                          for s in row["seeds"])
+        print(f"| {row['alpha']:g} | {','.join(map(str, row['seeds']))} | "
+              f"{cell(list(row['before'].values()))} | {cell(list(row['after'].values()))} | "
+              f"{pairs} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "outputs" / "bench-authors-setting"))
+    parser.add_argument("--alphas", default="0.1", help="comma-separated, e.g. 0.1,0.4")
+    parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
+    parser.add_argument("--local-epochs", type=int, default=20,
+                        help="20 is the authors' setting; fewer for a quick look")
+    args = parser.parse_args()
+    target = RESULTS if args.local_epochs == 20 else RESULTS.with_name(
+        f"authors_setting-e{args.local_epochs}.json")
+    measured = [measure(float(alpha), int(seed), args.local_epochs, args.out)
+                for alpha in args.alphas.split(",") for seed in args.seeds.split(",")]
+    # the runs of earlier invocations at other (alpha, seed) cells are kept
+    cells = {(r["alpha"], r["seed"]) for r in measured}
+    earlier = json.loads(target.read_text()).get("runs", []) if target.is_file() else []
+    runs = sorted([r for r in earlier if (r["alpha"], r["seed"]) not in cells] + measured,
+                  key=lambda r: (r["alpha"], r["seed"]))
+    if len(runs) > 1:
+        print("\n| alpha | seed | accuracy % | wall s | client phase s | server s | "
+              "fit / training | machine peak GB | largest client process GB | code |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            o = r["ours"]
+            print(f"| {r['alpha']:g} | {r['seed']} | {o['accuracy_pct']:.2f} | "
+                  f"{o['wall_s']:.0f} | {o['client_round_s']:.0f} | {o['server_s']:.1f} | "
+                  f"{100 * r['fit_over_train']:.1f}% | {o['peak_gb']:.2f} | "
+                  f"{o['largest_client_peak_gb']:.2f} | {r.get('code', '?')} |")
+    accuracy = accuracy_before_after(runs) if args.local_epochs == 20 else []
+    # the headline is the authors' cell (alpha 0.1, seed 0) where measured
+    headline = next((r for r in runs if (r["alpha"], r["seed"]) == (0.1, 0)), measured[0])
+    target.write_text(json.dumps({**headline, "authors": AUTHORS, "runs": runs,
+                                  "accuracy_before_after": accuracy}, indent=1))
     print(f"saved {target}")
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO
+from common import REPO, cell
 from fedbens import (
     BASELINES,
     LABELS,
@@ -193,18 +193,6 @@ def stats(rows: list[dict], method: str, **where: object) -> list[float]:
     return [100 * r["methods"][method]["accuracy"] for r in rows
             if all(r[k] == v for k, v in where.items()) and method in r["methods"]
             and not math.isnan(r["methods"][method]["accuracy"])]
-
-
-def cell(values: list[float], paper: float | None = None) -> str:
-    """``mean +- sd (n)``, then the paper's value in brackets and our difference to it."""
-    if not values:
-        return "-"
-    mean = statistics.mean(values)
-    sd = f" +- {statistics.stdev(values):.2f}" if len(values) > 1 else ""
-    text = f"{mean:.2f}{sd} ({len(values)})"
-    if paper is not None:
-        text += f" [{paper:.2f}] {mean - paper:+.2f}"
-    return text
 
 
 def print_tables(rows: list[dict]) -> None:

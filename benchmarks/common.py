@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,3 +22,15 @@ def live_run(run_config: str, out: str, name: str) -> dict:
             print(f"reusing {done}")
             return results
     return launch(f"{run_config} output-dir='{out}' run-name={name}")
+
+
+def cell(values: list[float], paper: float | None = None) -> str:
+    """``mean +- sd (n)``, then the paper's value in brackets and our difference to it."""
+    if not values:
+        return "-"
+    mean = statistics.mean(values)
+    sd = f" +- {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+    text = f"{mean:.2f}{sd} ({len(values)})"
+    if paper is not None:
+        text += f" [{paper:.2f}] {mean - paper:+.2f}"
+    return text

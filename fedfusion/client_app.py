@@ -33,7 +33,7 @@ from torch import nn
 
 from fedfusion import setup_logging
 from fedfusion.app.config import Settings
-from fedfusion.app.federation import federated_split
+from fedfusion.app.federation import client_for_partition, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
@@ -231,7 +231,13 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
 def train(msg: Message, context: Context) -> Message:
     """Flower entry point: one round of local training and the upload."""
     setup_logging()
-    settings = settings_for_node(context.run_config, context.node_config)
-    client_id = int(context.node_config["partition-id"])
+    node_config = dict(context.node_config)
+    run_settings = Settings.from_mapping(context.run_config)
+    if run_settings.largest_client_first:
+        # simulations only: node p trains the p-th largest client (client_for_partition)
+        node_config["partition-id"] = client_for_partition(
+            run_settings, int(node_config["partition-id"]))
+    settings = settings_for_node(context.run_config, node_config)
+    client_id = int(node_config["partition-id"])
     return Message(content=handle_train(settings, client_id, msg.content, context.state),
                    reply_to=msg)

@@ -16,9 +16,12 @@ summation order differs from PyTorch's, so results agree to float tolerance, not
 
 Layout: every map is per-member NCHW, ``[M, B, C, H, W]`` contiguous, float32. Kernels:
 the forward pass and weight gradient of a direct convolution (:func:`conv_kernels`), and a
-2x2 max-pool with an optional ReLU, forward and backward (:func:`pool_kernels`). Variants
-measured and dropped: a compiled input gradient (2.3x slower than oneDNN's), and a fused
-pool + convolution backward over only the windows' chosen entries (a quarter of the
+2x2 max-pool with an optional ReLU, forward and backward (:func:`pool_kernels`), and the
+input gradient of a convolution where its accumulators fit in registers
+(:func:`input_grad_block`). Variants measured and dropped: an input gradient as the
+correlation of the zero-padded output gradient with the flipped kernel (2.3x slower than
+oneDNN's: 2.25x the multiply-adds on LeNet's second layer, most of them with zeros), and a
+fused pool + convolution backward over only the windows' chosen entries (a quarter of the
 multiply-adds, but 1.7-2.3x slower: scalar read-modify-writes, and a patch per output
 channel instead of one shared by all).
 """
@@ -45,6 +48,10 @@ log = logging.getLogger("fedfusion")
 DISABLE_ENV = "FEDFUSION_NO_KERNELS"
 CACHE_ENV = "FEDFUSION_KERNEL_CACHE"
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared")
+#: vector accumulators the input gradient may keep: ``[CB, KW, WO]`` partial rows (LeNet's
+#: second layer, 5 members: 1.96 ms at CB = 2 (10 registers), 2.32 ms at 3 (15), 2.41 ms at
+#: 1, against 3.66 ms for oneDNN's)
+_IGRAD_REGISTERS = 12
 #: vector accumulators a convolution kernel may keep (AVX2 has 16 registers; a few spills
 #: cost less than splitting the output channels into blocks, which reloads every input row
 #: per block: LeNet's layers, 5 members, weight gradient 1.80 ms / 2.48 ms at 18 against
@@ -114,11 +121,14 @@ def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
     """Direct convolution (stride 1, no padding) forward and weight gradient for
     ``[M, B, C, H, W]`` maps and ``[M, O, C, KH, KW]`` weights, all sizes but M and B fixed.
 
-    The forward pass keeps an ``[OB, WO]`` block of output rows in registers while it runs
-    over the reduction; the weight gradient keeps ``[OB, WO]`` partial sums per kernel tap.
-    (An input gradient written the same way, as the correlation of the zero-padded output
-    gradient with the flipped kernel, ran 2.3x slower than oneDNN's on LeNet's second layer:
-    the stacked trainer takes PyTorch's.)"""
+    The forward pass keeps a ``[RB, FOB, WO]`` block of output rows in registers while it
+    runs over the reduction (:func:`forward_block`); the weight gradient keeps ``[OB, WO]``
+    partial sums per kernel tap.
+    The input gradient (where :func:`input_grad_block` allows it) visits each input row
+    ``r`` once per block of ``CB`` input channels and keeps, per channel and kernel column
+    ``kj``, the partial row ``sum_{o, ki} w[o, c, ki, kj] g[o, r - ki, :]`` in registers: only
+    the multiply-adds with real output-gradient rows, every output-gradient row loaded once
+    per block; the ``KW`` partial rows are then added into the input row at offsets ``kj``."""
     ho, wo = h - kh + 1, w - kw + 1
     for name, value in (("c", c), ("o", o), ("h", h), ("w", w), ("kh", kh), ("kw", kw),
                         ("ho", ho), ("wo", wo)):
@@ -126,6 +136,8 @@ def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
             raise ValueError(f"convolution kernel size {name} must be a positive int, got "
                              f"{value!r}")
     ob = _block(o, wo)
+    fob, rb = forward_block(o, ho, wo)
+    cb = input_grad_block(c, kw, wo) or 1
     return rf"""
 #define C_ {c}
 #define O_ {o}
@@ -136,6 +148,9 @@ def _conv_source(c: int, o: int, h: int, w: int, kh: int, kw: int) -> str:
 #define HO {ho}
 #define WO {wo}
 #define OB {ob}
+#define FOB {fob}
+#define RB {rb}
+#define CB {cb}
 
 /* out[m,b,o,i,j] = bias[m,o] + sum_{{c,ki,kj}} w[m,o,c,ki,kj] x[m,b,c,i+ki,j+kj] */
 void conv_fwd(const float* restrict x, const float* restrict wt, const float* restrict bias,
@@ -145,24 +160,27 @@ void conv_fwd(const float* restrict x, const float* restrict wt, const float* re
       const float* xb = x + (m * batch + b) * C_ * H_ * W_;
       const float* wm = wt + m * O_ * C_ * KH * KW;
       float* ob_ = out + (m * batch + b) * O_ * HO * WO;
-      for (int i = 0; i < HO; i++)
-        for (int o0 = 0; o0 < O_; o0 += OB) {{
-          float acc[OB][WO];
-          for (int o = 0; o < OB; o++) {{
-            const float init = bias ? bias[m * O_ + o0 + o] : 0.0f;
-            for (int j = 0; j < WO; j++) acc[o][j] = init;
-          }}
+      for (int i = 0; i < HO; i += RB)
+        for (int o0 = 0; o0 < O_; o0 += FOB) {{
+          float acc[RB][FOB][WO];
+          for (int r = 0; r < RB; r++)
+            for (int o = 0; o < FOB; o++) {{
+              const float init = bias ? bias[m * O_ + o0 + o] : 0.0f;
+              for (int j = 0; j < WO; j++) acc[r][o][j] = init;
+            }}
           for (int c = 0; c < C_; c++)
             for (int ki = 0; ki < KH; ki++) {{
               const float* xr = xb + (c * H_ + i + ki) * W_;
               for (int kj = 0; kj < KW; kj++)
-                for (int o = 0; o < OB; o++) {{
+                for (int o = 0; o < FOB; o++) {{
                   const float wv = wm[(((o0 + o) * C_ + c) * KH + ki) * KW + kj];
-                  for (int j = 0; j < WO; j++) acc[o][j] += wv * xr[j + kj];
+                  for (int r = 0; r < RB; r++)
+                    for (int j = 0; j < WO; j++) acc[r][o][j] += wv * xr[r * W_ + j + kj];
                 }}
             }}
-          for (int o = 0; o < OB; o++)
-            for (int j = 0; j < WO; j++) ob_[((o0 + o) * HO + i) * WO + j] = acc[o][j];
+          for (int r = 0; r < RB; r++)
+            for (int o = 0; o < FOB; o++)
+              for (int j = 0; j < WO; j++) ob_[((o0 + o) * HO + i + r) * WO + j] = acc[r][o][j];
         }}
     }}
 }}
@@ -195,6 +213,51 @@ void conv_wgrad(const float* restrict x, const float* restrict g, float* restric
           }}
 }}
 
+/* gi[m,b,c,r,s] = sum_{{o,ki,kj}} w[m,o,c,ki,kj] g[m,b,o,r-ki,s-kj] (valid indices only) */
+void conv_igrad(const float* restrict g, const float* restrict wt, float* restrict gi,
+                long members, long batch) {{
+  for (long m = 0; m < members; m++) {{
+    const float* wm = wt + m * O_ * C_ * KH * KW;
+    for (long b = 0; b < batch; b++) {{
+      const float* gb = g + (m * batch + b) * O_ * HO * WO;
+      float* gib = gi + (m * batch + b) * C_ * H_ * W_;
+      for (int c0 = 0; c0 < C_; c0 += CB)
+        for (int r = 0; r < H_; r++) {{
+          float acc[CB][KW][WO];
+          for (int cc = 0; cc < CB; cc++)
+            for (int kj = 0; kj < KW; kj++)
+              for (int j = 0; j < WO; j++) acc[cc][kj][j] = 0.0f;
+          const int lo = r - HO + 1 > 0 ? r - HO + 1 : 0;
+          const int hi = r < KH - 1 ? r : KH - 1;
+          for (int ki = lo; ki <= hi; ki++)
+            for (int o = 0; o < O_; o++) {{
+              const float* grow = gb + (o * HO + r - ki) * WO;
+              const float* wk = wm + ((o * C_ + c0) * KH + ki) * KW;
+              float gv[WO];
+              for (int j = 0; j < WO; j++) gv[j] = grow[j];
+              /* unrolled so that the accumulators stay in registers (2x faster, measured) */
+              #pragma GCC unroll 16
+              for (int cc = 0; cc < CB; cc++)
+                #pragma GCC unroll 16
+                for (int kj = 0; kj < KW; kj++) {{
+                  const float wv = wk[cc * KH * KW + kj];
+                  #pragma GCC unroll 16
+                  for (int j = 0; j < WO; j++) acc[cc][kj][j] += wv * gv[j];
+                }}
+            }}
+          for (int cc = 0; cc < CB; cc++) {{
+            float row[W_];
+            for (int s = 0; s < W_; s++) row[s] = 0.0f;
+            for (int kj = 0; kj < KW; kj++)
+              for (int j = 0; j < WO; j++) row[kj + j] += acc[cc][kj][j];
+            float* dst = gib + ((c0 + cc) * H_ + r) * W_;
+            for (int s = 0; s < W_; s++) dst[s] = row[s];
+          }}
+        }}
+    }}
+  }}
+}}
+
 """
 
 
@@ -204,6 +267,31 @@ def _block(channels: int, width: int) -> int:
     vectors = -(-width // _FLOATS_PER_VECTOR)
     limit = max(1, _ACC_REGISTERS // vectors)
     return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= limit)
+
+
+def forward_block(out_channels: int, out_height: int, out_width: int) -> tuple[int, int]:
+    """(output channels, output rows) the compiled forward pass computes at once: two rows of
+    half the channels where the rows pair up and that fits in 16 vector registers (each
+    weight then serves two rows: LeNet's second layer, 5 members, 2.01 ms against 2.28 ms
+    for one row of all 16 channels, 2.55 ms for four rows of 4), else one row of
+    :func:`_block` channels (LeNet's first layer, which two rows of 3 channels x 3 vectors
+    would take to 18 registers: 1.44 ms either way)."""
+    vectors = -(-out_width // _FLOATS_PER_VECTOR)
+    half = out_channels // 2
+    if out_channels % 2 == 0 and out_height % 2 == 0 and 2 * half * vectors <= 16:
+        return half, 2
+    return _block(out_channels, out_width), 1
+
+
+def input_grad_block(in_channels: int, kernel_width: int, out_width: int) -> int:
+    """The input channels the compiled input gradient handles at once: the largest divisor
+    of ``in_channels`` whose ``[block, kernel_width, out_width]`` accumulators fit in
+    :data:`_IGRAD_REGISTERS` vector registers, or 0 when not even one channel's do (the
+    stacked trainer then takes PyTorch's input gradient)."""
+    per_channel = kernel_width * -(-out_width // _FLOATS_PER_VECTOR)
+    fitting = [d for d in range(1, in_channels + 1)
+               if in_channels % d == 0 and d * per_channel <= _IGRAD_REGISTERS]
+    return max(fitting, default=0)
 
 
 def one_block(out_channels: int, out_width: int) -> bool:
@@ -328,6 +416,22 @@ class ConvKernels:
                             ctypes.c_long(m), ctypes.c_long(b))
         return grad_weight
 
+    @property
+    def has_input_grad(self) -> bool:
+        """Whether :meth:`input_grad` is the fast one here (:func:`input_grad_block`)."""
+        return input_grad_block(self.c, self.kw, self.out_hw[1]) > 0
+
+    def input_grad(self, grad_out: torch.Tensor, weight: torch.Tensor, grad_in: torch.Tensor
+                   ) -> torch.Tensor:
+        """``grad_in[m, b]``: the gradient of the convolution's input, overwritten."""
+        m, b = grad_out.shape[:2]
+        _check(grad_out, (m, b, self.o, *self.out_hw), "output gradient")
+        _check(weight, (m, self.o, self.c, self.kh, self.kw), "weight")
+        _check(grad_in, (m, b, self.c, self.h, self.w), "input gradient")
+        self.lib.conv_igrad(_pointer(grad_out), _pointer(weight), _pointer(grad_in),
+                            ctypes.c_long(m), ctypes.c_long(b))
+        return grad_in
+
 def conv_kernels(c: int, o: int, h: int, w: int, kh: int, kw: int) -> ConvKernels | None:
     """Compiled kernels of a ``c -> o`` convolution with a ``kh x kw`` kernel on ``h x w``
     maps (stride 1, no padding), or None when unavailable."""
@@ -336,7 +440,7 @@ def conv_kernels(c: int, o: int, h: int, w: int, kh: int, kw: int) -> ConvKernel
     lib = _library(_conv_source(c, o, h, w, kh, kw))
     if lib is None:
         return None
-    for name in ("conv_fwd", "conv_wgrad"):
+    for name in ("conv_fwd", "conv_wgrad", "conv_igrad"):
         getattr(lib, name).restype = None
     return ConvKernels(c, o, h, w, kh, kw, lib)
 

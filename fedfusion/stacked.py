@@ -136,11 +136,12 @@ class _Conv2d(_Layer):
     pass, from the map size):
 
     * ``kernel``: the compiled direct convolution of :mod:`fedfusion.kernels` for the forward
-      pass and the weight gradient (stride 1, no padding or dilation, all output channels in
-      one register block: :func:`fedfusion.kernels.one_block`), PyTorch's for the input
-      gradient. LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
+      pass, the weight gradient (stride 1, no padding or dilation, all output channels in
+      one register block: :func:`fedfusion.kernels.one_block`) and the input gradient where
+      its accumulators fit in registers (:func:`fedfusion.kernels.input_grad_block`; else
+      PyTorch's). LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
       against 11.8 ms (oneDNN) and 7.4 ms (``gemm``); the second 4.9 ms against 5.0 ms
-      (oneDNN), whose separate input gradient then costs 3.5 ms against 6.5 ms for both;
+      (oneDNN), and its input gradient 2.0 ms against 3.7 ms (oneDNN);
     * ``gemm``: im2col into a reused buffer + one batched GEMM per pass, for small patches
       (``C_in * kh * kw <= 32``) otherwise;
     * ``native``: PyTorch's own convolution, forward and backward, member by member on its
@@ -225,6 +226,9 @@ class _Conv2d(_Layer):
             return None
         m, c, b, height, width = self.in_shape
         grad_in = _per_member_nchw(self.ws, f"{self.name}/grad_in", m, c, b, height, width)
+        if self.kernels.has_input_grad:
+            self.kernels.input_grad(grads, self.weight, grad_in.transpose(1, 2))
+            return grad_in
         for i in range(m):  # PyTorch's input gradient (see the class doc)
             gx = torch.ops.aten.convolution_backward(
                 grads[i], self.inputs[i], self.weight[i], None, [1, 1], [0, 0], [1, 1], False,

@@ -345,3 +345,5 @@ def test_the_run_config_handed_to_flwr_run(tmp_path, monkeypatch):
         plan_run("num-clients=5", 4, tmp_path, "y")
     with pytest.raises(ValueError, match=r"must be key=value, got \['fedavg'\]"):
         plan_run("fedavg", None, tmp_path, "y")
+    with pytest.raises(ValueError, match="largest-client-first=true is for simulations only"):
+        plan_run("largest-client-first=true", None, tmp_path, "y")

@@ -11,8 +11,12 @@ pytestmark = pytest.mark.skipif(kernels.pool_kernels() is None,
 
 
 @pytest.mark.parametrize(("c", "o", "h", "w", "kh", "kw"),
-                         [(1, 6, 28, 28, 5, 5), (6, 16, 12, 12, 5, 5), (3, 4, 9, 7, 3, 2)])
+                         [(1, 6, 28, 28, 5, 5), (6, 16, 12, 12, 5, 5), (3, 4, 9, 7, 3, 2),
+                          (5, 3, 10, 11, 3, 4), (2, 3, 9, 15, 2, 3), (2, 4, 10, 13, 3, 3)])
 def test_convolution_kernels_equal_pytorch(c, o, h, w, kh, kw):
+    """Forward, weight gradient and (where it fits in registers) input gradient, against
+    autograd through F.conv2d; the shapes cover channel blocks of 1, 2 and 3, output rows
+    of one vector, a partial one and several, forward blocks of one row and of two."""
     compiled = kernels.conv_kernels(c, o, h, w, kh, kw)
     assert compiled is not None
     g = torch.Generator().manual_seed(0)
@@ -24,12 +28,31 @@ def test_convolution_kernels_equal_pytorch(c, o, h, w, kh, kw):
     grad_out = torch.randn(m, b, o, ho, wo, generator=g)
     out = compiled.forward(x, weight, bias, torch.empty(m, b, o, ho, wo))
     grad_w = compiled.weight_grad(x, grad_out, torch.empty_like(weight))
+    grad_x = (compiled.input_grad(grad_out, weight, torch.full_like(x, float("nan")))
+              if compiled.has_input_grad else None)
     for i in range(m):
         wi = weight[i].clone().requires_grad_()
-        ref = F.conv2d(x[i], wi, bias[i])
+        xi = x[i].clone().requires_grad_()
+        ref = F.conv2d(xi, wi, bias[i])
         ref.backward(grad_out[i])
         torch.testing.assert_close(out[i], ref.detach(), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(grad_w[i], wi.grad, rtol=1e-5, atol=1e-4)
+        if grad_x is not None:  # every entry written (the buffer started as NaN)
+            torch.testing.assert_close(grad_x[i], xi.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_forward_register_rule():
+    assert kernels.forward_block(16, 8, 8) == (8, 2)  # LeNet's second layer: two rows
+    assert kernels.forward_block(6, 24, 24) == (6, 1)  # its first: one row, all channels
+    assert kernels.forward_block(4, 7, 6)[1] == 1  # odd rows do not pair
+
+
+def test_input_gradient_register_rule():
+    assert kernels.input_grad_block(6, 5, 8) == 2  # LeNet's second layer: 10 accumulators
+    assert kernels.input_grad_block(1, 5, 24) == 0  # 15 for one channel: PyTorch's
+    assert kernels.input_grad_block(5, 4, 8) == 1 and kernels.input_grad_block(2, 3, 13) == 2
+    assert [kernels.conv_kernels(*shape).has_input_grad
+            for shape in ((6, 16, 12, 12, 5, 5), (1, 6, 28, 28, 5, 5))] == [True, False]
 
 
 def test_one_register_block_rule():

@@ -62,6 +62,7 @@ class Settings:
     momentum: float = 0.9
     batch_size: int = 64
     client_threads: int = 1
+    largest_client_first: bool = False
     # Laplace curvature (FedBEns and its curvature-based baselines)
     hessian_structure: str = "kron"
     temperature: float = 0.1

@@ -193,6 +193,9 @@ def plan_run(run_config: str, num_clients: int | None, output_dir: Path, run_nam
             raise ValueError(f"--num-clients {num_clients} contradicts the run config's "
                              f"num-clients={given}")
         num_clients = int(given)
+    if (run_config_value(run_config, "largest-client-first") or "").lower() == "true":
+        raise ValueError("largest-client-first=true is for simulations only: on SuperNodes "
+                         "partition-id names the node's own data, which the flag would swap")
     num_clients = 3 if num_clients is None else num_clients
     name = (run_config_value(run_config, "run-name") or "").strip("'\"") or run_name
     paths = absolute_paths(run_config, output_dir)

@@ -7,6 +7,10 @@ detached local SuperLink that outlives the run; ``flwr run`` also exits 0 when t
 fails. This launcher makes a run self-contained:
 
 * a private ``FLWR_HOME`` and free ports, so it never reuses a stale SuperLink;
+* ``flwr run`` reads a copy of the App's files (:func:`stage_app`), not the checkout with
+  its ``.venv``;
+* ``largest-client-first=true`` where the App has that key and the run config does not set
+  it (:func:`fedfusion.app.federation.client_for_partition`);
 * ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (the environment is already set up) and
   ``OPENBLAS_NUM_THREADS=1`` (see :func:`launch`);
 * ``--federation-config`` from ``[tool.fedfusion.simulation]`` in pyproject.toml, with one
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,10 +127,40 @@ def absolute_paths(run_config: str, output_dir: Path | str) -> dict[str, str]:
             if value}
 
 
-def simulation_defaults(app_dir: Path) -> dict[str, object]:
-    pyproject = tomllib.loads((app_dir / "pyproject.toml").read_text())
-    return {**DEFAULT_SIMULATION,
-            **pyproject.get("tool", {}).get("fedfusion", {}).get("simulation", {})}
+def stage_app(app_dir: Path, into: Path) -> Path:
+    """Copy into ``into`` the App's files that ``flwr run`` may pack into its FAB: those of
+    the kinds a FAB holds (``.py``, ``.toml``, ``.md``, ...: Flower's own list) that
+    ``.gitignore`` keeps, outside ``.git``. Flower builds the FAB by walking and resolving
+    EVERY file under the App folder before it applies those rules: with the ``.venv`` inside
+    the checkout that is ~53,000 files and ~4 s per launch, against ~0.1 s for the ~100 files
+    staged here. Flower then filters the copy by the same rules, so the FAB (and its hash) is
+    the one it would have built from ``app_dir``."""
+    import pathspec
+    from flwr.supercore.constant import APP_PUBLISH_INCLUDE_PATTERNS
+
+    gitignore = app_dir / ".gitignore"
+    ignored = pathspec.GitIgnoreSpec.from_lines(
+        gitignore.read_text().splitlines() if gitignore.is_file() else [])
+    packed = pathspec.GitIgnoreSpec.from_lines(APP_PUBLISH_INCLUDE_PATTERNS)
+    for folder, subfolders, files in os.walk(app_dir):
+        relative = Path(folder).relative_to(app_dir)
+        subfolders[:] = [d for d in subfolders if d != ".git" and not ignored.match_file(
+            f"{(relative / d).as_posix()}/")]
+        for name in files:
+            source, path = Path(folder) / name, (relative / name).as_posix()
+            if source.is_symlink() or ignored.match_file(path) or not packed.match_file(path):
+                continue  # Flower skips symlinks too
+            (into / relative).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / relative / name)
+    return into
+
+
+def simulation_defaults(app_dir: Path) -> tuple[dict[str, object], dict[str, object]]:
+    """The App's simulation federation (:data:`DEFAULT_SIMULATION` where its pyproject.toml
+    has no ``[tool.fedfusion.simulation]``) and its run config's defaults."""
+    tool = tomllib.loads((app_dir / "pyproject.toml").read_text()).get("tool", {})
+    return ({**DEFAULT_SIMULATION, **tool.get("fedfusion", {}).get("simulation", {})},
+            tool.get("flwr", {}).get("app", {}).get("config", {}))
 
 
 def run_config_value(run_config: str, key: str) -> str | None:
@@ -139,11 +174,15 @@ def run_config_value(run_config: str, key: str) -> str | None:
 def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Path = APP_DIR,
            timeout: float = 3 * 3600) -> dict:
     """Run ``flwr run`` on a private local SuperLink; return the parsed results.json."""
-    federation = simulation_defaults(app_dir)
+    federation, app_config = simulation_defaults(app_dir)
     clients = run_config_value(run_config, "num-clients")
     federation["num-supernodes"] = num_supernodes or int(clients or federation["num-supernodes"])
     if clients is None:
         run_config += f" num-clients={federation['num-supernodes']}"
+    if "largest-client-first" in app_config and run_config_value(
+            run_config, "largest-client-first") is None:
+        # a simulation: start the longest clients first (federation.client_for_partition)
+        run_config += " largest-client-first=true"
     run_name = (run_config_value(run_config, "run-name") or "").strip("'\"") or (
         time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     paths = absolute_paths(run_config, app_dir / "outputs")
@@ -151,7 +190,8 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
              if item.partition("=")[0] not in ("run-name", *paths)]
     items += [f"run-name='{run_name}'"] + [f"{key}='{value}'" for key, value in paths.items()]
     http_port, control_port = free_port(), free_port()
-    env = dict(os.environ, FLWR_HOME=tempfile.mkdtemp(prefix="fedfusion-flwr-"),
+    flwr_home = Path(tempfile.mkdtemp(prefix="fedfusion-flwr-"))
+    env = dict(os.environ, FLWR_HOME=str(flwr_home),
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
                FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
                FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
@@ -163,7 +203,8 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     bin_dir = Path(sys.executable).parent
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     federation_config = " ".join(f"{k}={v}" for k, v in federation.items())
-    command = [str(bin_dir / "flwr"), "run", str(app_dir), "--stream",
+    staged = stage_app(app_dir, flwr_home / "app")
+    command = [str(bin_dir / "flwr"), "run", str(staged), "--stream",
                "--federation-config", federation_config]
     for item in items:  # one flag per key: values with spaces need no extra quoting
         command += ["--run-config", item]
@@ -175,6 +216,7 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
         subprocess.run(command, env=env, timeout=timeout, check=False)
     finally:
         stop_superlink(http_port)
+        shutil.rmtree(staged, ignore_errors=True)
     results_file = Path(paths["output-dir"]) / run_name / "results.json"
     if not results_file.is_file():
         raise RuntimeError(f"the run wrote no {results_file}: see the log above")
