@@ -28,6 +28,9 @@ def test_staging_takes_fab_files_that_gitignore_keeps_and_no_symlinks(tmp_path) 
     (app / "pkg" / "data.bin").write_bytes(bytes(1000))  # not a kind of file a FAB holds
     (app / "pkg" / "cache" / "b.py").write_text("B = 2\n")
     (app / "pkg" / "link.py").symlink_to(app / "pkg" / "a.py")
+    for excluded in (".venv/lib", "pkg/__pycache__"):  # Flower's own exclusions
+        (app / excluded).mkdir(parents=True)
+        (app / excluded / "c.py").write_text("C = 3\n")
     staged = stage_app(app, tmp_path / "staged")
     assert sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*")
                   if p.is_file()) == [".gitignore", "pkg/a.py", "pyproject.toml"]
