@@ -785,7 +785,8 @@ def _sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     try:
         torch._fused_sgd_(params, grads, buffers, weight_decay=0.0, momentum=momentum, lr=lr,
                           dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
-    except (AttributeError, RuntimeError, NotImplementedError):  # a torch without it
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        # a torch without it, or with another signature
         torch._foreach_mul_(buffers, momentum)
         torch._foreach_add_(buffers, grads)
         torch._foreach_add_(params, buffers, alpha=-lr)
