@@ -322,3 +322,19 @@ def test_a_compiled_sgd_step_that_rounds_differently_is_not_used(monkeypatch):
         monkeypatch.undo()
         kernels._checked_sgd_kernel.cache_clear()
     assert kernels.sgd_kernel() is not None
+
+
+@pytest.mark.parametrize("n", [8, 64, 130])
+def test_member_batches_follow_each_members_own_order(n):
+    """Step s holds rows [s*b, (s+1)*b) of member 0's order, then of member 1's, ...; the
+    last step is the partial batch (also when there is no full one)."""
+    from fedfusion.stacked import _member_batches
+
+    g = torch.Generator().manual_seed(n)
+    orders = torch.stack([torch.randperm(n, generator=g) for _ in range(3)])
+    batches = _member_batches(orders, 64)
+    starts = list(range(0, n, 64))
+    assert len(batches) == len(starts)
+    for batch, begin in zip(batches, starts, strict=True):
+        assert batch.is_contiguous()
+        assert torch.equal(batch, orders[:, begin:begin + 64].reshape(-1))
