@@ -264,12 +264,20 @@ void conv_igrad(const float* restrict g, const float* restrict wt, float* restri
 """
 
 
+def _vectors(width: int) -> int:
+    """Vector registers a row of ``width`` floats takes."""
+    return -(-width // _FLOATS_PER_VECTOR)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``at_most`` (0 when ``at_most`` < 1)."""
+    return max((d for d in range(1, min(n, at_most) + 1) if n % d == 0), default=0)
+
+
 def _block(channels: int, width: int) -> int:
     """The largest divisor of ``channels`` whose ``[block, width]`` accumulators fit in
     :data:`_ACC_REGISTERS` vector registers (at least 1)."""
-    vectors = -(-width // _FLOATS_PER_VECTOR)
-    limit = max(1, _ACC_REGISTERS // vectors)
-    return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= limit)
+    return _largest_divisor(channels, max(1, _ACC_REGISTERS // _vectors(width)))
 
 
 def forward_block(out_channels: int, out_height: int, out_width: int) -> tuple[int, int]:
@@ -279,9 +287,8 @@ def forward_block(out_channels: int, out_height: int, out_width: int) -> tuple[i
     for one row of all 16 channels, 2.55 ms for four rows of 4), else one row of
     :func:`_block` channels (LeNet's first layer, which two rows of 3 channels x 3 vectors
     would take to 18 registers: 1.44 ms either way)."""
-    vectors = -(-out_width // _FLOATS_PER_VECTOR)
     half = out_channels // 2
-    if out_channels % 2 == 0 and out_height % 2 == 0 and 2 * half * vectors <= 16:
+    if out_channels % 2 == 0 and out_height % 2 == 0 and 2 * half * _vectors(out_width) <= 16:
         return half, 2
     return _block(out_channels, out_width), 1
 
@@ -291,10 +298,8 @@ def input_grad_block(in_channels: int, kernel_width: int, out_width: int) -> int
     of ``in_channels`` whose ``[block, kernel_width, out_width]`` accumulators fit in
     :data:`_IGRAD_REGISTERS` vector registers, or 0 when not even one channel's do (the
     stacked trainer then takes PyTorch's input gradient)."""
-    per_channel = kernel_width * -(-out_width // _FLOATS_PER_VECTOR)
-    fitting = [d for d in range(1, in_channels + 1)
-               if in_channels % d == 0 and d * per_channel <= _IGRAD_REGISTERS]
-    return max(fitting, default=0)
+    return _largest_divisor(in_channels,
+                            _IGRAD_REGISTERS // (kernel_width * _vectors(out_width)))
 
 
 def one_block(out_channels: int, out_width: int) -> bool:
@@ -420,7 +425,7 @@ class ConvKernels:
                             ctypes.c_long(m), ctypes.c_long(b))
         return grad_weight
 
-    @property
+    @functools.cached_property
     def has_input_grad(self) -> bool:
         """Whether :meth:`input_grad` is the fast one here (:func:`input_grad_block`)."""
         return input_grad_block(self.c, self.kw, self.out_hw[1]) > 0
@@ -519,10 +524,6 @@ class SgdKernel:
 
     lib: ctypes.CDLL
 
-    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-             buffers: list[torch.Tensor], lr: float, momentum: float) -> None:
-        self.bind(params, grads, buffers)(lr, momentum)
-
     def bind(self, params: list[torch.Tensor], grads: list[torch.Tensor],
              buffers: list[torch.Tensor]) -> Callable[[float, float], None]:
         """``step(lr, momentum)`` on these tensors, checked once here (they must keep their
@@ -572,8 +573,9 @@ def _checked_sgd_kernel() -> SgdKernel | None:
     probe = [[torch.randn(n, generator=generator) for n in sizes] for _ in range(3)]
     ours = [[t.clone() for t in part] for part in probe]
     theirs = [[t.clone() for t in part] for part in probe]
+    step = kernel.bind(ours[0], ours[1], ours[2])
     for lr, momentum in ((0.01, 0.9), (0.1, 0.5), (0.0123, 0.99)):
-        kernel.step(ours[0], ours[1], ours[2], lr, momentum)
+        step(lr, momentum)
         torch_sgd(theirs[0], theirs[1], theirs[2], lr, momentum)
     if not all(torch.equal(a, b) for part, other in zip(ours, theirs, strict=True)
                for a, b in zip(part, other, strict=True)):
