@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fedfusion.models import build_model
+from fedfusion.state import StateLayout, load_state_arrays
 
 ModelFn = Callable[..., nn.Module]
 #: parameter name -> shape, of a network's ``state_dict``
@@ -107,7 +108,7 @@ class ModelSpec:
         else:
             model = self.model_fn(**self.kwargs)
         if state is not None:
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+            load_state_arrays(model, state)
         return model.eval()
 
     def variant(self, name: str, kwargs: Mapping[str, Any]) -> ModelSpec:
@@ -120,8 +121,9 @@ class ModelSpec:
                              f"{self.name!r} from its model_fn")
         return ModelSpec(name, self.input_shape, self.num_classes, kwargs, model_fn=self.model_fn)
 
-    def param_shapes(self) -> ParamShapes:
-        """Parameter shapes of the ``state_dict``, built on the meta device (no memory)."""
+    def param_shapes(self) -> StateLayout:
+        """The ``state_dict``'s layout (``{name: shape}``, and which entries are parameters,
+        buffers, Linear/Conv2d weights), built on the meta device (no memory)."""
         return _param_shapes(self)
 
     def same_architecture(self, name: str, kwargs: Mapping[str, Any]) -> bool:
@@ -161,7 +163,7 @@ class ModelSpec:
 
 
 @functools.lru_cache(maxsize=128)
-def _param_shapes(spec: ModelSpec) -> ParamShapes:
+def _param_shapes(spec: ModelSpec) -> StateLayout:
     with torch.device("meta"):
         net = spec.build()
-    return {name: tuple(t.shape) for name, t in net.state_dict().items()}
+    return StateLayout.of(net)

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 from torch import nn
@@ -33,6 +32,7 @@ from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.evaluation import LabelledData, as_labelled
 from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
+from fedfusion.state import load_state_arrays
 from fedfusion.uploads import CURVATURE_PREFIX, SectionOptions, build_section
 
 log = logging.getLogger("fedfusion")
@@ -66,7 +66,7 @@ def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module])
     for m, state in enumerate(broadcast_states(msg)):
         model = model_fn()
         try:
-            model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+            load_state_arrays(model, state)
         except RuntimeError as exc:
             raise ValueError(f"the server's member {m} does not fit model_fn()'s network "
                              f"{type(model).__name__}: {exc}") from exc

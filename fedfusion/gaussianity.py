@@ -30,8 +30,18 @@ Choices the paper leaves open (made here, and tested):
   where ``N`` Gaussian draws rarely fall.
 * **Reference sample.** ``Q`` is drawn from ``N(0, 1)`` with ``numpy.random.default_rng
   ([seed, N])``: every client's layer of the same size is compared with the same sample.
-* **Degenerate layers** (fewer than 4 entries, or constant) have no defined distance;
-  :func:`gaussianity_distance` returns 0 for them (no evidence of non-Gaussianity).
+* **Degenerate layers** have no defined distance (:func:`is_degenerate`): fewer than 4
+  entries (the k-statistics up to order 4 need 4), or constant up to float32 rounding (a
+  spread ``max - min <= MIN_RELATIVE_SPREAD * max|x|``, 1e-6, about 8 float32 ulps: such
+  entries differ by rounding only, so their standardised "shape" is noise).
+  :func:`gaussianity_distance` returns 0 for them (no evidence of non-Gaussianity); SWA
+  averages a layer that is degenerate for any client by size (see
+  :mod:`fedfusion.strategies.swa`).
+* **Normalisation layers.** A BatchNorm/LayerNorm ``weight`` or ``bias`` is a 1-D tensor,
+  one entry per channel, usually near 1 (weights) or near 0 (biases). Nothing here depends on
+  a tensor's rank, and both statistics are invariant to shift and scale, so a near-constant
+  tensor such as ``1 + 1e-3 * u`` gets the distance of its deviations ``u``, like any layer;
+  only the degenerate cases above are set apart.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ DISTANCES = ("hos", "renyi0", "renyi0.5", "renyi1", "renyi2")
 #: half a count of smoothing per bin of the reference histogram
 SMOOTHING = 0.5
 MIN_SIZE = 4
+#: a layer whose spread (max - min) is at most this fraction of its largest magnitude is
+#: constant up to float32 rounding (2^-23 = 1.2e-7 is one float32 ulp relative)
+MIN_RELATIVE_SPREAD = 1e-6
 
 
 def _as_vector(x: np.ndarray) -> np.ndarray:
@@ -147,15 +160,25 @@ def renyi_to_gaussian(x: np.ndarray, order: float, seed: int = 0) -> float:
     return renyi_divergence(*binned_distributions(z, reference_sample(z.size, seed)), order)
 
 
+def is_degenerate(x: np.ndarray) -> bool:
+    """True where no Gaussianity distance is defined: fewer than :data:`MIN_SIZE` entries, or
+    entries equal up to float32 rounding (``max - min <= MIN_RELATIVE_SPREAD * max|x|``)."""
+    values = _as_vector(x)
+    if values.size < MIN_SIZE:
+        return True
+    low, high = float(values.min()), float(values.max())
+    return not high - low > MIN_RELATIVE_SPREAD * max(abs(low), abs(high))
+
+
 def gaussianity_distance(x: np.ndarray, distance: str, seed: int = 0) -> float:
     """``Gd`` (paper Eq. 6) of one layer: ``distance`` is one of :data:`DISTANCES`.
 
-    Returns 0 for a layer with fewer than 4 entries or constant entries (no distance is
-    defined; see the module docstring)."""
+    Returns 0 for a degenerate layer (:func:`is_degenerate`: no distance is defined; see the
+    module docstring)."""
     if distance not in DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; choose one of {', '.join(DISTANCES)}")
     values = _as_vector(x)
-    if values.size < MIN_SIZE or not values.std() > 0:
+    if is_degenerate(values):
         return 0.0
     if distance == "hos":
         return hos_distance(values)

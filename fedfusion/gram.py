@@ -19,8 +19,26 @@ shipped as float32, symmetrised.
 Grouped convolutions and non-zero padding modes are refused (their unfolded patches are not
 what the weight multiplies).
 
-:func:`validate_grams` is the server-side check: one array per Linear/Conv2d weight of the
-right size, symmetric, and positive semi-definite up to float32 rounding.
+Which parameters are Linear/Conv2d weights is a property of the MODULES, not of the shapes:
+an ``nn.Embedding`` weight is 2-D like a Linear weight, and BatchNorm/LayerNorm parameters
+are 1-D. So the layers are read from the model's module types (:func:`gram_layers`,
+:func:`model_gram_sizes`) wherever the model is at hand: on the client (:func:`layer_grams`)
+and in RegMean, which builds the server's model on the meta device.
+
+:func:`validate_grams` is the server-side check. The Gram layers it expects, best first:
+
+* ``sizes`` given (:func:`model_gram_sizes` of the model; RegMean checks every upload so):
+  exactly one array per Linear/Conv2d weight, of the module's size;
+* else, a layout that knows the module types (:func:`layout_gram_sizes`: a ``{name: shape}``
+  mapping with a ``kron`` attribute naming the parameters of Linear/Conv2d modules, as
+  :class:`fedfusion.state.StateLayout`, which the server builds from the model): the same,
+  exact;
+* else (a plain ``{name: shape}`` mapping) the SHAPE RULE, :func:`expected_gram_sizes`: every
+  array must be named after a 2-D or 4-D ``*weight`` parameter and have the size that
+  parameter would give as a Linear/Conv2d weight; whether every Linear/Conv2d layer has a
+  Gram cannot be told from shapes, so completeness is left to the module-level check.
+
+Every array present must be symmetric and positive semi-definite up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -49,6 +67,22 @@ def gram_layers(model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
     return {f"{name}.weight" if name else "weight": module
             for name, module in model.named_modules()
             if isinstance(module, nn.Linear | nn.Conv2d)}
+
+
+def gram_size(module: nn.Linear | nn.Conv2d) -> int:
+    """Side of the Gram of a Linear (``in_features``) or Conv2d (``in_channels / groups * kh *
+    kw``) layer, + 1 with a bias (the constant input)."""
+    if isinstance(module, nn.Conv2d):
+        size = module.in_channels // module.groups * math.prod(module.kernel_size)
+    else:
+        size = module.in_features
+    return size + (1 if module.bias is not None else 0)
+
+
+def model_gram_sizes(model: nn.Module) -> dict[str, int]:
+    """Gram side per Linear/Conv2d weight of ``model``, from its module types (works on the
+    meta device)."""
+    return {name: gram_size(module) for name, module in gram_layers(model).items()}
 
 
 def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
@@ -118,10 +152,14 @@ def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
 
 
 def expected_gram_sizes(param_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
-    """Gram side length per weight, from the parameter shapes alone.
+    """The shape rule: the Gram side each parameter WOULD have as a Linear/Conv2d weight,
+    from the parameter shapes alone.
 
-    Assumes every 2-D ``*.weight`` is a Linear weight ``[out, in]`` and every 4-D one a
-    Conv2d weight ``[out, c, kh, kw]``; a ``*.bias`` next to it adds the constant input.
+    Every 2-D ``*weight`` is taken for a Linear weight ``[out, in]`` and every 4-D one for a
+    Conv2d weight ``[out, c, kh, kw]``; a ``*bias`` next to it adds the constant input. For a
+    real Linear/Conv2d layer this is :func:`model_gram_sizes`' size; but other modules have
+    2-D weights too (``nn.Embedding``), so these are the names a Gram MAY have, not the ones
+    it must: see :func:`validate_grams`.
     """
     sizes = {}
     for name, shape in param_shapes.items():
@@ -132,17 +170,54 @@ def expected_gram_sizes(param_shapes: Mapping[str, tuple[int, ...]]) -> dict[str
     return sizes
 
 
+def layout_gram_sizes(param_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int] | None:
+    """Gram side per Linear/Conv2d weight when ``param_shapes`` says which parameters belong
+    to Linear/Conv2d modules (its ``kron`` attribute, as a
+    :class:`fedfusion.state.StateLayout`'s); None for a plain ``{name: shape}`` mapping."""
+    kron = getattr(param_shapes, "kron", None)
+    if kron is None:
+        return None
+    return {name: size for name, size in expected_gram_sizes(param_shapes).items()
+            if name in kron}
+
+
+def check_gram_names(arrays: Mapping[str, object], sizes: Mapping[str, int],
+                     complete: bool = True) -> None:
+    """Names and shapes only (nothing computed on the values): every array is named after a
+    layer of ``sizes`` and is ``[size, size]``; with ``complete`` every layer has one. Raises
+    ValueError naming the array."""
+    if complete:
+        check_array_names(arrays, sizes, "missing Gram(s) for layer(s)",
+                          " (no Linear/Conv2d weight of that name)")
+    else:
+        check_array_names(arrays, [n for n in sizes if n in arrays], extra_hint=(
+            " (no parameter of that name could be a Linear/Conv2d weight)"))
+    for name in arrays:
+        shape = tuple(getattr(arrays[name], "shape", ()))
+        if shape != (sizes[name], sizes[name]):
+            raise ValueError(f"array {name!r} has shape {shape}, expected "
+                             f"{(sizes[name], sizes[name])}")
+
+
 def validate_grams(arrays: Mapping[str, np.ndarray],
-                   param_shapes: Mapping[str, tuple[int, ...]]) -> None:
+                   param_shapes: Mapping[str, tuple[int, ...]],
+                   sizes: Mapping[str, int] | None = None) -> None:
     """Raise ValueError naming the array for a missing layer, an unexpected array, a wrong
-    shape, a non-symmetric or a clearly non-PSD Gram (see :data:`PSD_TOL`)."""
-    sizes = expected_gram_sizes(param_shapes)
-    check_array_names(arrays, sizes, "missing Gram(s) for layer(s)",
-                      " (no Linear/Conv2d weight of that name)")
-    for name, size in sizes.items():
+    shape, a non-symmetric or a clearly non-PSD Gram (see :data:`PSD_TOL`).
+
+    ``sizes`` (:func:`model_gram_sizes` of the model), or a ``param_shapes`` layout that
+    knows the module types (:func:`layout_gram_sizes`), makes the names exact; with plain
+    shapes the shape rule :func:`expected_gram_sizes` bounds them and a missing layer cannot
+    be told (see the module docstring)."""
+    if sizes is None:
+        sizes = layout_gram_sizes(param_shapes)
+    if sizes is None:
+        check_gram_names(arrays, expected_gram_sizes(param_shapes), complete=False)
+    else:
+        check_gram_names(arrays, sizes)
+    for name in arrays:
         gram = np.asarray(arrays[name], dtype=np.float64)
-        if gram.shape != (size, size):
-            raise ValueError(f"array {name!r} has shape {gram.shape}, expected {(size, size)}")
+        size = gram.shape[0]
         scale = max(float(np.max(np.abs(np.diag(gram)))), np.finfo(np.float64).tiny)
         asymmetry = float(np.max(np.abs(gram - gram.T)))
         if asymmetry > SYMMETRY_TOL * scale:

@@ -245,3 +245,199 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+# --- models with normalisation layers (BatchNorm buffers, LayerNorm) and residual blocks ----
+# None of them is a plain chain of conv/linear/ReLU/pool stages, so fedfusion.stacked does not
+# trace them (BatchNorm has buffers; LayerNorm and residual additions are stages it does not
+# know) and fedfusion.training.train_members trains them one by one with train_local, which
+# puts them in train mode for the steps and back in eval mode after.
+
+#: the widest ``bn_cnn`` (its second conv has ``2 * width`` channels)
+MAX_BN_CNN_WIDTH = MAX_CHANNELS // 2
+#: the widest ``resnet20`` (its last stage has ``64 * width`` channels)
+MAX_RESNET_WIDTH = MAX_CHANNELS // 64
+#: BasicBlocks per stage of ``resnet20`` (depth ``6 * blocks + 2``: 64 is a ResNet-386)
+MAX_RESNET_BLOCKS = 64
+RESNET_NORMS = ("batch", "none")
+
+
+def _check_width(model: str, width: object, high: int) -> int:
+    return check_int(model, "width", width, 1, high)
+
+
+@register_model("bn_cnn")
+class BNCNN(nn.Module):
+    """Small BatchNorm CNN: conv3(C->w, pad 1, no bias)-BN-ReLU-pool, conv3(w->2w, pad 1,
+    no bias)-BN-ReLU-pool, fc (2w * H/4 * W/4)->128 (bias), ReLU, fc 128->K (bias).
+
+    ``width`` w (default 32, at most :data:`MAX_BN_CNN_WIDTH`) scales the channels; inputs of
+    at least 4x4. Parameters (w = 32, K = 10): 421,738 on 1x28x28, 545,194 on 3x32x32 (of
+    them 192 BatchNorm affine weights; BatchNorm also keeps 192 running statistics and two
+    ``num_batches_tracked`` counters as buffers).
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10,
+                 width: int = 32):
+        super().__init__()
+        channels, height, side_w = _image_input("bn_cnn", input_shape)
+        _check_classes("bn_cnn", num_classes)
+        width = _check_width("bn_cnn", width, MAX_BN_CNN_WIDTH)
+        _conv_side("bn_cnn", input_shape, min(height, side_w) // 4, 4)
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(2 * width * (height // 4) * (side_w // 4), 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv3(stride s)-norm-ReLU-conv3-norm, plus the shortcut (identity,
+    or conv1(stride s)-norm where the shape changes), then ReLU. ``norm=False``: no norm
+    layers and convolutions with biases."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, norm: bool):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=not norm)
+        self.norm1 = nn.BatchNorm2d(out_channels) if norm else nn.Identity()
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=not norm)
+        self.norm2 = nn.BatchNorm2d(out_channels) if norm else nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=not norm),
+                nn.BatchNorm2d(out_channels) if norm else nn.Identity(),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+@register_model("resnet20")
+class ResNet20(nn.Module):
+    """ResNet-20 of He et al. (2016) for CIFAR: conv3(C->16w)-norm-ReLU, three stages of
+    ``blocks`` :class:`BasicBlock` s with 16w, 32w, 64w channels (stride 2 at the first block
+    of stages 2 and 3; a 1x1 conv + norm projection shortcut where the shape changes), global
+    average pool, fc 64w->K (bias). Depth ``6 * blocks + 2``; any input size (28x28 and 32x32
+    alike: the global pool takes the 7x7 or 8x8 maps).
+
+    ``norm="batch"`` (default): BatchNorm after every conv, convs without bias, Kaiming
+    (fan-out) init as torchvision's ResNets. ``norm="none"``: the variant without
+    normalisation of the FedBEns paper (appendix C.10): no norm layers, convs with biases;
+    so that it trains without them it is initialised as Fixup (Zhang et al. 2019), less
+    Fixup's scalar biases and multipliers: Kaiming (fan-in) convs, the first conv of each
+    block's residual branch scaled by ``(3 * blocks) ** -0.5`` and the second zero, zero
+    biases, so every block starts as its shortcut and the signal's scale does not grow with
+    depth.
+
+    ``width`` w (default 1, at most :data:`MAX_RESNET_WIDTH`), ``blocks`` (default 3, at most
+    :data:`MAX_RESNET_BLOCKS`). Parameters (K = 10, the same for 28x28 and 32x32 inputs):
+
+    ======  =====  ================  =================
+    norm    width  1 input channel   3 input channels
+    ======  =====  ================  =================
+    batch   1      272,186           272,474
+    none    1      271,402           271,690
+    batch   4      4,326,602         4,327,754
+    none    4      4,323,466         4,324,618
+    ======  =====  ================  =================
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10,
+                 norm: str = "batch", width: int = 1, blocks: int = 3):
+        super().__init__()
+        channels, _, _ = _image_input("resnet20", input_shape)
+        _check_classes("resnet20", num_classes)
+        if not isinstance(norm, str) or norm not in RESNET_NORMS:
+            raise ValueError(f"resnet20: norm must be one of {', '.join(RESNET_NORMS)}, got "
+                             f"{norm!r:.60}")
+        width = _check_width("resnet20", width, MAX_RESNET_WIDTH)
+        blocks = check_int("resnet20", "blocks", blocks, 1, MAX_RESNET_BLOCKS)
+        use_norm = norm == "batch"
+        stem = 16 * width
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, stem, 3, 1, 1, bias=not use_norm),
+            nn.BatchNorm2d(stem) if use_norm else nn.Identity(),
+            nn.ReLU(),
+        )
+        stages: list[nn.Module] = []
+        in_channels = stem
+        for stage, out_channels in enumerate((16 * width, 32 * width, 64 * width)):
+            stage_blocks = []
+            for block in range(blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                stage_blocks.append(BasicBlock(in_channels, out_channels, stride, use_norm))
+                in_channels = out_channels
+            stages.append(nn.Sequential(*stage_blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(in_channels, num_classes)
+        self._initialise(use_norm, 3 * blocks)
+
+    def _initialise(self, use_norm: bool, num_blocks: int) -> None:
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Conv2d):
+                    if use_norm:
+                        nn.init.kaiming_normal_(module.weight, mode="fan_out",
+                                                nonlinearity="relu")
+                    else:
+                        nn.init.kaiming_normal_(module.weight, mode="fan_in",
+                                                nonlinearity="relu")
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+            if not use_norm:
+                for module in self.modules():
+                    if isinstance(module, BasicBlock):
+                        module.conv1.weight.mul_(num_blocks ** -0.5)
+                        nn.init.zeros_(module.conv2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.stages(self.stem(x))))
+
+
+@register_model("ln_mlp")
+class LNMLP(nn.Module):
+    """MLP with LayerNorm: flatten, ``layers`` x [Linear(->width, bias)-LayerNorm-ReLU],
+    Linear(->K, bias). ``width`` default 128 (at most :data:`MAX_MLP_WIDTH`), ``layers``
+    default 2 (0 to :data:`MAX_MLP_LAYERS`; 0 = one Linear layer). Parameters (defaults,
+    K = 10): 118,794 on 1x28x28, 411,658 on 3x32x32. No buffers."""
+
+    def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10,
+                 width: int = 128, layers: int = 2):
+        super().__init__()
+        if not isinstance(input_shape, Sequence) or not 1 <= len(input_shape) <= 4:
+            raise ValueError(f"ln_mlp: input_shape must be 1 to 4 sizes, got "
+                             f"{input_shape!r:.60}")
+        for size in input_shape:
+            check_int("ln_mlp", "input size", size, 1, MAX_INPUT_FEATURES)
+        features = check_int("ln_mlp", "input features", math.prod(input_shape), 1,
+                             MAX_INPUT_FEATURES)
+        _check_classes("ln_mlp", num_classes)
+        width = _check_width("ln_mlp", width, MAX_MLP_WIDTH)
+        check_int("ln_mlp", "layers", layers, 0, MAX_MLP_LAYERS)
+        modules: list[nn.Module] = [nn.Flatten()]
+        for _ in range(layers):
+            modules += [nn.Linear(features, width), nn.LayerNorm(width), nn.ReLU()]
+            features = width
+        modules.append(nn.Linear(features, num_classes))
+        self.net = nn.Sequential(*modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

@@ -56,6 +56,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
+from fedfusion.state import StateLayout
+
 SCHEMA = "fedfusion.upload"
 SCHEMA_VERSION = 1
 META_KEY = "fedfusion.meta"
@@ -115,11 +117,14 @@ NumpyDict = dict[str, np.ndarray]
 ParamShapes = Mapping[str, tuple[int, ...]]
 SectionValidator = Callable[[Mapping[str, np.ndarray], ParamShapes], None]
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+#: dtypes of the ``weights`` section beyond floats: a ``state_dict``'s integer counters and
+#: bool / uint8 buffers (:mod:`fedfusion.state`); every other section holds floats only
+_STATE_DTYPES = (*_FLOAT_DTYPES, np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_)
 #: the dtype strings a wire Array may declare (``str(ndarray.dtype)`` and ``dtype.str``, in
 #: either byte order) -> the dtype; anything else is refused without being parsed
 _WIRE_DTYPES: dict[str, np.dtype] = {
     spelling: dtype
-    for t in _FLOAT_DTYPES
+    for t in _STATE_DTYPES
     for dtype in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))
     for spelling in (str(dtype), dtype.str)
 }
@@ -206,6 +211,12 @@ def member_key(member: int, section: str) -> str:
     return f"fedfusion.m{member}.{section}"
 
 
+def _c_order(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order, its shape kept (``np.ascontiguousarray`` turns a 0-d array, e.g.
+    BatchNorm's ``num_batches_tracked``, into shape ``(1,)``)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
 def encode_upload(upload: ClientUpload) -> RecordDict:
     """Encode an upload into the RecordDict a ClientApp returns."""
     content = RecordDict()
@@ -226,8 +237,7 @@ def encode_upload(upload: ClientUpload) -> RecordDict:
     for m, member in enumerate(upload.members):
         for section, arrays in member.items():
             content[member_key(m, section)] = ArrayRecord(
-                {name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()}
-            )
+                {name: Array(_c_order(a)) for name, a in arrays.items()})
     return content
 
 
@@ -303,7 +313,8 @@ def _decode(content: RecordDict, client: str | int,
                     raise UploadError(client, _too_large(total, max_upload_bytes))
             if section == WEIGHTS:
                 try:
-                    _check_weight_shapes(declared_shapes, shapes)
+                    _check_weight_shapes(declared_shapes, shapes, {
+                        name: declared[m, section, name][0] for name in declared_shapes})
                 except ValueError as exc:
                     raise UploadError(client, f"{where}: {exc}") from exc
             member[section] = record
@@ -512,7 +523,7 @@ def _declared(name: object, array: object) -> tuple[np.dtype, tuple[int, ...]]:
     dtype = _WIRE_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
     if dtype is None:
         raise ValueError(f"array {name!r} has dtype {_clip(str(array.dtype), 40)}; uploads "
-                         "hold float16, float32 or float64 arrays")
+                         "hold float16/32/64 arrays (and integer or bool state entries)")
     return dtype, _checked_shape(name, array.shape)
 
 
@@ -552,9 +563,9 @@ def _npy_layout(stream: IO[bytes], size: int, name: str,
     if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
         raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
                          f"its declared fields {declared[0].str} {declared[1]}")
-    if dtype.kind != "f" or dtype.type not in _FLOAT_DTYPES:
+    if dtype.type not in _STATE_DTYPES:
         raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
-                         "float16, float32 or float64 arrays")
+                         "float16/32/64 arrays (and integer or bool state entries)")
     layout = _NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
     if size - layout.offset != layout.nbytes:
         raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
@@ -625,7 +636,7 @@ def _check_members(upload: ClientUpload, shapes: ParamShapes, required: tuple[st
                                        f"{MAX_ARRAYS_PER_SECTION} named arrays")
             for name, array in arrays.items():
                 try:
-                    total += _check_array(name, array)
+                    total += _check_array(name, array, section)
                 except ValueError as exc:
                     raise UploadError(who, f"{where}: {exc}") from exc
                 if total > max_upload_bytes:
@@ -642,8 +653,9 @@ def _check_members(upload: ClientUpload, shapes: ParamShapes, required: tuple[st
                 raise UploadError(who, f"{where}: {_describe(exc)}") from exc
 
 
-def _check_array(name: object, array: object) -> int:
-    """Type, dtype and byte order of an in-memory array; returns its byte size."""
+def _check_array(name: object, array: object, section: str = WEIGHTS) -> int:
+    """Type, dtype (floats; integer and bool state entries in ``weights`` too) and byte
+    order of an in-memory array; returns its byte size."""
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"array name {_brief(name)} is not a string of at most "
                          f"{MAX_NAME_CHARS} characters")
@@ -653,9 +665,11 @@ def _check_array(name: object, array: object) -> int:
             kind.__name__)
         raise ValueError(f"array {name!r} is a {label}; uploads hold numpy arrays "
                          "(fedfusion.client.make_upload converts trained models)")
-    if array.dtype.type not in _FLOAT_DTYPES:
-        raise ValueError(f"array {name!r} has dtype {array.dtype}; uploads hold float16, "
-                         "float32 or float64 arrays")
+    allowed = _STATE_DTYPES if section == WEIGHTS else _FLOAT_DTYPES
+    if array.dtype.type not in allowed:
+        raise ValueError(f"array {name!r} has dtype {array.dtype}; section {section!r} holds "
+                         + ("float16/32/64 arrays and integer or bool state entries"
+                            if section == WEIGHTS else "float16, float32 or float64 arrays"))
     if not array.dtype.isnative:
         raise ValueError(f"array {name!r} has non-native byte order ({array.dtype.str}); "
                          "convert it with array.astype(array.dtype.newbyteorder('='))")
@@ -663,8 +677,9 @@ def _check_array(name: object, array: object) -> int:
 
 
 def _check_values(name: str, array: np.ndarray, section: str, cap: float) -> None:
-    """Finite and ``|v| <= cap``, from the min and max (no temporary of the array's size)."""
-    if array.size == 0:
+    """Finite and ``|v| <= cap``, from the min and max (no temporary of the array's size).
+    Integer and bool state entries (counters, masks) are finite by type and not capped."""
+    if array.size == 0 or array.dtype.kind in "biu":
         return
     low, high = float(array.min()), float(array.max())
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -687,18 +702,29 @@ def check_array_names(arrays: Mapping[str, object], expected: Iterable[str],
         raise ValueError(f"unexpected array(s) {_names(extra)}{extra_hint}")
 
 
-def _check_weight_shapes(actual: Mapping[str, tuple[int, ...]], shapes: ParamShapes) -> None:
-    """The weights' names and shapes are exactly the model's (``actual``: name -> shape)."""
-    check_array_names(actual, shapes)
+def _check_weight_shapes(actual: Mapping[str, tuple[int, ...]], shapes: ParamShapes,
+                         dtypes: Mapping[str, np.dtype] | None = None) -> None:
+    """The weights' names and shapes are exactly the model's ``state_dict``'s (``actual``:
+    name -> shape), and, where ``shapes`` is a :class:`~fedfusion.state.StateLayout` and
+    ``dtypes`` (name -> dtype) is given, so are their wire dtypes (a float where the model
+    keeps an integer counter is refused, as is an integer parameter)."""
+    check_array_names(actual, shapes, extra_hint=" (not in the server model's state_dict)")
     for name, shape in shapes.items():
+        kind = "buffer" if isinstance(shapes, StateLayout) and name in shapes.buffers else (
+            "array")
         if tuple(actual[name]) != tuple(shape):
             raise ValueError(
-                f"array {name!r} has shape {tuple(actual[name])}, expected {tuple(shape)}"
-            )
+                f"{kind} {name!r} has shape {tuple(actual[name])}, expected {tuple(shape)}")
+        if dtypes is not None and isinstance(shapes, StateLayout) and (
+                dtypes[name].newbyteorder("=") != shapes.wire_dtype(name)):
+            raise ValueError(f"{kind} {name!r} has dtype {dtypes[name]}, the server model's "
+                             f"entry is {shapes.dtypes[name]} (sent as "
+                             f"{shapes.wire_dtype(name)})")
 
 
 def _validate_weights(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
-    _check_weight_shapes({name: array.shape for name, array in arrays.items()}, shapes)
+    _check_weight_shapes({name: array.shape for name, array in arrays.items()}, shapes,
+                         {name: array.dtype for name, array in arrays.items()})
 
 
 _SECTION_VALIDATORS: dict[str, SectionValidator] = {WEIGHTS: _validate_weights}
@@ -717,7 +743,7 @@ def encode_models(state_dicts: Sequence[Mapping[str, np.ndarray]]) -> ArrayRecor
     """Server broadcast: M models in one ArrayRecord, keys ``"{m}/{param}"``."""
     return ArrayRecord(
         {
-            f"{m}/{name}": Array(np.ascontiguousarray(a))
+            f"{m}/{name}": Array(_c_order(a))
             for m, sd in enumerate(state_dicts)
             for name, a in sd.items()
         }

@@ -206,6 +206,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     results["clients"] = client_table(strategy.uploads)
     results["excluded"] = strategy.exclusions
     results["strategy_report"] = strategy.report()
+    results["norm_stats"] = {"rule": strategy.norm_stats,
+                             "recalibrated_layers": strategy.recalibrated_layers}
     train_times = [c["train_time_s"] for c in results["clients"]]
     results["timing"] = {
         "client_train_s_sum": float(np.sum(train_times)),

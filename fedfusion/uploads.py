@@ -25,6 +25,7 @@ from fedfusion.curvature import (
 )
 from fedfusion.curvature.fit import param_shapes
 from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
+from fedfusion.state import state_arrays
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def build_section(section: str, model: nn.Module, x: torch.Tensor, y: torch.Tens
 @register_builder(WEIGHTS)
 def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: SectionOptions,
                   built: Mapping[str, NumpyDict]) -> NumpyDict:
-    return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    """The member's whole ``state_dict``, every entry in its own shape and (wire) dtype."""
+    return state_arrays(model)
 
 
 #: prefix of the upload sections that hold a Laplace curvature (fitted with laplace-torch)
@@ -113,7 +115,7 @@ def _curvature_validator(structure: str) -> SectionValidator:
     def validate(arrays: Mapping[str, np.ndarray], shapes: ParamShapes) -> None:
         # The arrays hold the likelihood curvature only; temperature and prior are the
         # server's choice, so any positive values check the structure.
-        curvature_from_arrays(structure, dict(arrays), dict(shapes), 1.0, 1.0)
+        curvature_from_arrays(structure, dict(arrays), shapes, 1.0, 1.0)
     return validate
 
 

@@ -1,5 +1,6 @@
-"""DENSE: generator range, the losses against brute force, one student step, distilling one
-client back into a student on real images, and a real-data federation."""
+"""DENSE: generator range, the losses against brute force (the BatchNorm-statistics term
+included), one student step, distilling one client back into a student on real images, and a
+real-data federation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
+from torch import nn
+from torch.nn import functional as F
 
 from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData, load_dataset
@@ -18,11 +21,32 @@ from fedfusion.strategies.dense import (
     Dense,
     LogitEnsemble,
     SamplePool,
+    batchnorm_layers,
     input_stats_loss,
     kl_teacher_student,
 )
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
+
+
+class BNNet(nn.Module):
+    """conv3 (1->3) -> BatchNorm2d -> ReLU -> flatten -> Linear(48->5) -> BatchNorm1d -> ReLU
+    -> Linear(5->3): a BatchNorm layer on 4-D and one on 2-D inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.fc1 = nn.Linear(48, 5)
+        self.bn2 = nn.BatchNorm1d(5)
+        self.fc2 = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv(x))).flatten(1)
+        return self.fc2(F.relu(self.bn2(self.fc1(h))))
+
+
+BN_SPEC = ModelSpec("BNNet", (1, 4, 4), 3, model_fn=BNNet)
 
 
 def upload_of(net: torch.nn.Module, spec: ModelSpec, client_id: int = 0,
@@ -34,6 +58,33 @@ def upload_of(net: torch.nn.Module, spec: ModelSpec, client_id: int = 0,
 def random_upload(spec: ModelSpec, seed: int, client_id: int = 0) -> ClientUpload:
     torch.manual_seed(seed)
     return upload_of(spec.build(), spec, client_id, num_examples=50 + seed)
+
+
+def bn_upload(seed: int, client_id: int = 0) -> ClientUpload:
+    """A BNNet client whose BatchNorm layers hold random running statistics (as after
+    training), uploaded with its buffers in their native dtypes."""
+    torch.manual_seed(seed)
+    net = BNNet()
+    with torch.no_grad():
+        for bn in (net.bn1, net.bn2):
+            bn.running_mean.uniform_(-1.0, 1.0)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.num_batches_tracked.fill_(10 + seed)
+            bn.weight.uniform_(0.5, 1.5)
+    return upload_of(net, BN_SPEC, client_id)
+
+
+def bn_inputs(net: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
+    """The input of every BatchNorm layer of ``net`` (eval mode) on ``x``, in float64."""
+    seen: dict[str, np.ndarray] = {}
+    handles = [layer.register_forward_pre_hook(
+        lambda module, args, name=name: seen.__setitem__(name, args[0].double().numpy()))
+        for name, layer in batchnorm_layers(net)]
+    with torch.no_grad():
+        net.eval()(x)
+    for handle in handles:
+        handle.remove()
+    return seen
 
 
 def tiny_val(spec: ModelSpec, low: list[float], high: list[float], n: int = 64) -> ImageData:
@@ -96,6 +147,85 @@ def test_input_statistics_term_matches_brute_force_and_vanishes_on_standard_data
     standard = (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True,
                                                              unbiased=False)
     assert float(input_stats_loss(standard)) < 1e-10
+
+
+def test_batchnorm_statistics_term_matches_brute_force_and_vanishes_on_matching_statistics():
+    """R = 1/K sum_k sum_l ||mu - running_mean||_2 + ||sigma^2 - running_var||_2 over the
+    teachers' BatchNorm inputs, by hand in numpy; 0 when the running statistics ARE the batch's
+    statistics at every layer."""
+    uploads = [bn_upload(s, s) for s in range(2)]
+    x = torch.randn(32, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    expected = 0.0
+    for upload in uploads:
+        net = BN_SPEC.build(upload.weights(0))
+        state = upload.weights(0)
+        for name, h in bn_inputs(net, x).items():
+            axes = tuple(d for d in range(h.ndim) if d != 1)
+            mean = h.mean(axis=axes)
+            var = ((h - h.mean(axis=axes, keepdims=True)) ** 2).mean(axis=axes)
+            expected += np.sqrt(np.sum((mean - state[f"{name}.running_mean"]) ** 2))
+            expected += np.sqrt(np.sum((var - state[f"{name}.running_var"]) ** 2))
+    expected /= len(uploads)
+    dense = Dense(BN_SPEC, device="cpu", num_clients=2, batch_size=32, latent_dim=8,
+                  generator_width=4, data_range=(-1.0, 1.0))
+    dense.build(uploads)
+    assert dense.stats_term_used == "bn" and dense.bn_layers == [2, 2]
+    with torch.no_grad():
+        dense.teacher(x)
+        loss = float(dense.stats_loss(x))
+    assert expected > 0.5
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+
+    # running statistics set, layer after layer, to the batch statistics of that layer's input
+    matched = []
+    for upload in uploads:
+        state = {k: v.copy() for k, v in upload.weights(0).items()}
+        for name in ("bn1", "bn2"):  # bn2's input depends on bn1's statistics: in order
+            h = bn_inputs(BN_SPEC.build(state), x)[name]
+            axes = tuple(d for d in range(h.ndim) if d != 1)
+            state[f"{name}.running_mean"] = h.mean(axis=axes).astype(np.float32)
+            state[f"{name}.running_var"] = h.var(axis=axes).astype(np.float32)  # biased
+        matched.append(ClientUpload(upload.client_id, BN_SPEC.name, {}, 100,
+                                    [{"weights": state}]))
+    dense.build(matched)
+    with torch.no_grad():
+        dense.teacher(x)
+        assert float(dense.stats_loss(x)) < 1e-5
+        # ... and positive as soon as one statistic moves: by exactly that move's norm / K
+        dense.teacher.members[1].bn2.running_mean[0] += 0.3
+        dense.teacher(x)
+        np.testing.assert_allclose(float(dense.stats_loss(x)), 0.3 / 2, atol=1e-5)
+
+
+def test_batchnorm_teachers_select_the_batchnorm_term_and_others_the_fallback():
+    uploads = [bn_upload(s, s) for s in range(2)]
+    dense = Dense(BN_SPEC, device="cpu", num_clients=2, epochs=2, batch_size=16, latent_dim=8,
+                  generator_width=4, val=tiny_val(BN_SPEC, [-1.0], [1.0]))
+    dense.build(uploads)
+    assert dense.stats_term_used == "bn"
+    losses = dense.generator_loss(*dense.sample(torch.Generator().manual_seed(0)))
+    assert losses["stats"].item() > 0
+    grads = torch.autograd.grad(losses["stats"], list(dense.generator.parameters()),
+                                allow_unused=True)
+    assert any(g is not None and float(g.abs().sum()) > 0 for g in grads)  # R reaches G
+    # validation scores the student in eval mode and leaves its running statistics alone
+    before = {k: v.clone() for k, v in dense.student.state_dict().items()}
+    dense._validate()
+    assert all(torch.equal(v, before[k]) for k, v in dense.student.state_dict().items())
+    assert dense.student.training
+    predictor = dense.fuse(uploads)
+    assert predictor(torch.randn(5, 1, 4, 4)).shape == (5, 3)
+    report = dense.report()
+    assert (report["stats_term"], report["stats_term_requested"]) == ("bn", "auto")
+    assert report["bn_layers"] == [2, 2]
+    # no BatchNorm: "auto" falls back to the input term; "bn" is refused
+    plain = Dense(TINY, device="cpu", num_clients=2, batch_size=16, latent_dim=8,
+                  generator_width=4, data_range=(-1.0, 1.0))
+    plain.build([random_upload(TINY, 0, 0), random_upload(TINY, 1, 1)])
+    assert plain.report()["stats_term"] == "input" and plain.report()["bn_layers"] == [0, 0]
+    strict = Dense(TINY, device="cpu", num_clients=2, stats_term="bn")
+    with pytest.raises(ValueError, match="stats_term 'bn' matches the teachers' BatchNorm"):
+        strict.build([random_upload(TINY, 0, 0)])
 
 
 @pytest.mark.parametrize("stats_term", ["none", "input", "act"])

@@ -12,6 +12,7 @@ from fedfusion.gaussianity import (
     gaussianity_distance,
     hos_distance,
     hos_product,
+    is_degenerate,
     k_statistics,
     reference_sample,
     renyi_divergence,
@@ -132,3 +133,19 @@ def test_degenerate_and_bad_layers():
         gaussianity_distance(np.arange(10.0), "renyi3")
     with pytest.raises(ValueError, match="at least 4"):
         k_statistics(np.arange(3.0))
+
+
+def test_near_constant_normalisation_tensors():
+    """A BatchNorm weight 1 + 1e-3 u is measured by its deviations u (scale and shift
+    invariance); one whose entries differ by float32 rounding only is degenerate (0), as are
+    constant tensors and tensors of fewer than 4 entries."""
+    u = np.random.default_rng(3).exponential(size=64)
+    weight = (1.0 + 1e-3 * u).astype(np.float32)
+    assert not is_degenerate(weight)
+    assert hos_distance(weight) == pytest.approx(hos_distance(u), rel=1e-3)
+    ulps = np.float32(1.0) + np.float32(2**-23) * np.array([0, 1, 0, 2, 1, 0, 3, 0], np.float32)
+    assert len(set(ulps.tolist())) == 4 and is_degenerate(ulps)
+    for distance in DISTANCES:
+        assert gaussianity_distance(ulps, distance) == 0.0
+    assert is_degenerate(np.zeros(10)) and is_degenerate(np.array([0.1, 2.0, 5.0]))
+    assert not is_degenerate(np.array([0.0, 0.0, 0.0, 1e-30]))  # tiny but not rounding

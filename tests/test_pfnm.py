@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
+from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.models import build_model
@@ -154,8 +155,9 @@ def test_clients_with_disjoint_neurons_give_a_wider_global_model():
 
 
 def test_architecture_checks():
-    with pytest.raises(ValueError, match="pfnm matches MLPs only.*set model=mlp"):
+    with pytest.raises(ValueError, match="pfnm matches MLPs only") as refused:
         PFNM(ModelSpec("lenet", (1, 28, 28), 10), num_clients=2)
+    assert "'features.0' (Conv2d)" in str(refused.value)
     with pytest.raises(ValueError, match="at least one hidden layer"):
         PFNM(spec(0, False), num_clients=2)
     model = spec(2, False)
@@ -168,6 +170,65 @@ def test_architecture_checks():
     assert [e["client"] for e in strategy.exclusions] == ["2"]
     assert "3 hidden layer(s) (bias False); pfnm needs 2" in strategy.exclusions[0]["reason"]
     assert fused.members[0](torch.randn(3, 1, 6, 6)).shape == (3, 5)
+
+
+class BNNet(nn.Module):
+    """A small CNN with BatchNorm: conv -> BN -> ReLU -> pool -> linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class LNMLP(nn.Module):
+    """An MLP with a LayerNorm after its hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(36, 8), nn.LayerNorm(8), nn.ReLU(),
+                                 nn.Linear(8, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LinearReLU(nn.Module):
+    """Linear-ReLU layers only, but not the zoo's MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(36, 8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x.flatten(1))))
+
+
+@pytest.mark.parametrize(("model_fn", "first"), [
+    (BNNet, "its first module that is not a Linear/ReLU layer is module 'features.0' "
+            "(Conv2d)"),
+    (LNMLP, "its first module that is not a Linear/ReLU layer is module 'net.2' (LayerNorm)"),
+    (LinearReLU, "its modules are Linear/ReLU/Flatten layers, but pfnm builds the fused "
+                 "(wider) model as fedfusion's zoo MLP: give the strategy ModelSpec('mlp', "),
+])
+def test_a_model_that_is_not_an_mlp_is_refused_with_what_pfnm_takes(model_fn, first):
+    """The refusal says what PFNM takes, names the first module that is not an MLP layer,
+    and suggests other strategies; no run-config key of the App."""
+    with pytest.raises(ValueError) as refused:
+        PFNM(model_fn, num_clients=2)
+    message = str(refused.value)
+    assert message.startswith(
+        "pfnm matches MLPs only: a chain of Linear layers joined by ReLU (every layer with a "
+        "bias, or none), no normalisation layers, no convolutions; the model "
+        f"{model_fn.__name__!r} is not one: ")
+    assert first in message
+    assert message.endswith("fuse this model with another strategy, e.g. FedAvg ('fedavg'), "
+                            "AdaptiveModelSelection ('ams') or the ensemble ('ensemble')")
+    assert "model=" not in message
 
 
 def test_mlp_hidden_sizes_build_a_wider_model():
@@ -213,5 +274,6 @@ def test_bad_pfnm_and_ams_keys_name_the_key(values, message):
 def test_pfnm_on_a_non_mlp_run_fails_clearly(tmp_path):
     settings = Settings(strategy="pfnm", num_clients=2, train_subset=500, local_epochs=1,
                         val_size=50, output_dir=str(tmp_path), run_name="lenet")
-    with pytest.raises(ValueError, match="pfnm matches MLPs only; the run's model is 'lenet'"):
+    with pytest.raises(ValueError, match="pfnm matches MLPs only: .* the model 'lenet' is not "
+                                         "one: .*'features.0' \\(Conv2d\\)"):
         run_server(settings, InProcessGrid(settings))

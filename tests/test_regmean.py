@@ -1,5 +1,7 @@
 """RegMean and the ``gram`` upload section: Grams against brute force, the merge against
-least squares on the pooled inputs, alpha selection, and a real FMNIST federation."""
+least squares on the pooled inputs, alpha selection, models with BatchNorm, LayerNorm and
+embeddings (Gram layers from the module types, the rest averaged), and a real FMNIST
+federation."""
 
 from __future__ import annotations
 
@@ -12,12 +14,21 @@ from torch.nn import functional as F
 
 from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData
-from fedfusion.gram import gram_layers, layer_grams, layer_inputs, validate_grams
+from fedfusion.gram import (
+    expected_gram_sizes,
+    gram_layers,
+    layer_grams,
+    layer_inputs,
+    layout_gram_sizes,
+    model_gram_sizes,
+    validate_grams,
+)
 from fedfusion.payload import ClientUpload, UploadError, validate_upload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import STRATEGIES
 from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.regmean import RegMean, parse_alphas
 from fedfusion.uploads import build_section
 
@@ -98,10 +109,15 @@ def test_gram_section_is_built_by_the_client_registry_and_validated():
 
 def test_validate_grams_names_the_bad_array():
     shapes = FusionContext(LINEAR_BIAS).param_shapes(LINEAR_BIAS.name, LINEAR_BIAS.kwargs)
+    sizes = model_gram_sizes(LINEAR_BIAS.build())
+    assert sizes == expected_gram_sizes(shapes) == {"net.1.weight": 17}
     rng = np.random.default_rng(0)
     a = rng.standard_normal((50, 17))
     good = {"net.1.weight": (a.T @ a).astype(np.float32)}  # 16 inputs + the bias's 1
     validate_grams(good, shapes)
+    validate_grams(good, shapes, sizes)
+    plain = {k: tuple(v) for k, v in shapes.items()}
+    validate_grams({}, plain)  # shapes alone cannot tell a missing layer (see test below)
     bad_cases = {
         "missing Gram": {},
         "shape": {"net.1.weight": good["net.1.weight"][:16, :16]},
@@ -112,8 +128,13 @@ def test_validate_grams_names_the_bad_array():
     }
     for problem, arrays in bad_cases.items():
         with pytest.raises(ValueError, match=problem) as info:
-            validate_grams({k: np.asarray(v, np.float32) for k, v in arrays.items()}, shapes)
+            validate_grams({k: np.asarray(v, np.float32) for k, v in arrays.items()}, shapes,
+                           sizes)
         assert "net.1" in str(info.value)
+        if problem != "missing Gram":
+            with pytest.raises(ValueError, match=problem):
+                validate_grams({k: np.asarray(v, np.float32) for k, v in arrays.items()},
+                               plain)
     upload = ClientUpload(0, LINEAR_BIAS.name, LINEAR_BIAS.kwargs, 5, [{
         "weights": {k: np.zeros(s, np.float32) for k, s in shapes.items()},
         "gram": bad_cases["not symmetric"]}])
@@ -232,6 +253,180 @@ def test_real_fmnist_federation(tmp_path, monkeypatch):
     assert [entry["alpha"] for entry in report["alphas"]] == [0.1, 0.5, 0.9]
     assert report["chosen_alpha"] in (0.1, 0.5, 0.9)
     assert results["test"]["accuracy"] > 0.55
+
+
+class BNCNN(nn.Module):
+    """conv (no bias) -> BN -> ReLU -> conv (bias, stride 2) -> BN -> ReLU -> linear (bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return self.fc(F.relu(self.bn2(self.conv2(h))).flatten(1))
+
+
+class LNMLP(nn.Module):
+    """linear (bias) -> LayerNorm -> ReLU -> linear (bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(36, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.ln(self.fc1(x.flatten(1)))))
+
+
+class EmbedMLP(nn.Module):
+    """Two Linear layers and an nn.Embedding used as a learnt offset: a 2-D ``*.weight``
+    that is not a Linear weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(36, 8)
+        self.embed = nn.Embedding(2, 8)
+        self.fc2 = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = self.embed(torch.zeros(len(x), dtype=torch.long, device=x.device))
+        return self.fc2(F.relu(self.fc1(x.flatten(1)) + offset))
+
+
+def norm_client(spec: ModelSpec, client_id: int, n: int) -> tuple[ClientUpload, nn.Module,
+                                                                     torch.Tensor]:
+    """A random client model whose normalisation layers hold random affine parameters and
+    running statistics (as after training), its inputs, and its in-memory upload: the whole
+    state dict in native dtypes, and the Grams."""
+    torch.manual_seed(client_id)
+    model = spec.build()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d | nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(0.5, 1.0)  # most units alive after the ReLU
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.2, 0.2)
+                module.running_var.uniform_(0.5, 2.0)
+                module.num_batches_tracked.fill_(10 * (client_id + 1))
+    x = torch.randn(n, *spec.input_shape) + 0.3 * client_id
+    upload = ClientUpload(client_id, spec.name, {}, n, [{
+        "weights": {k: v.numpy().copy() for k, v in model.state_dict().items()},
+        "gram": layer_grams(model, x, batch_size=16)}])
+    return upload, model.eval(), x
+
+
+def brute_force_regmean(clients: list[tuple[ClientUpload, nn.Module, torch.Tensor]],
+                        layer: str, alpha: float) -> np.ndarray:
+    """[W | b] of one Linear/Conv2d layer by RegMean from scratch: each client's layer inputs
+    captured by a hook (conv: patches by explicit loops), G_i = X_i^T X_i in float64,
+    G~_i = alpha G_i + (1 - alpha) diag(G_i), W^T = (sum G~_i)^-1 sum G~_i W_i^T."""
+    lhs, rhs = 0.0, 0.0
+    for _, model, x in clients:
+        module = model.get_submodule(layer)
+        seen: list[torch.Tensor] = []
+        handle = module.register_forward_hook(
+            lambda m, args, out, seen=seen: seen.append(args[0]))
+        with torch.no_grad():
+            model(x)
+        handle.remove()
+        inputs = seen[0].detach().double()
+        rows = (brute_force_patches(inputs, module) if isinstance(module, nn.Conv2d)
+                else inputs.reshape(len(inputs), -1))
+        w = module.weight.detach().double().reshape(len(module.weight), -1)
+        if module.bias is not None:
+            rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype)], 1)
+            w = torch.cat([w, module.bias.detach().double()[:, None]], 1)
+        gram = (rows.T @ rows).numpy()
+        shrunk = alpha * gram + (1 - alpha) * np.diag(np.diag(gram))
+        lhs, rhs = lhs + shrunk, rhs + shrunk @ w.numpy().T
+    return np.linalg.solve(lhs, rhs).T
+
+
+@pytest.mark.parametrize(("model_fn", "layers", "averaged"), [
+    (BNCNN, ["conv1", "conv2", "fc"],
+     ["bn1.weight", "bn1.bias", "bn1.running_mean", "bn1.running_var", "bn2.weight",
+      "bn2.bias", "bn2.running_mean", "bn2.running_var"]),
+    (LNMLP, ["fc1", "fc2"], ["ln.weight", "ln.bias"]),
+], ids=["batchnorm-cnn", "layernorm-mlp"])
+def test_normalised_models_merge_linear_layers_by_regmean_and_the_rest_by_average(
+        model_fn, layers, averaged):
+    """Linear/Conv2d layers (weight and bias) equal the brute-force RegMean solve; every
+    BatchNorm/LayerNorm entry equals the sample-weighted average; the integer counter
+    follows weighted_average's rule."""
+    spec = ModelSpec(model_fn.__name__, (1, 6, 6), 3, model_fn=model_fn)
+    clients = [norm_client(spec, c, n) for c, n in enumerate((20, 35, 50))]
+    uploads = [u for u, _, _ in clients]
+    strategy = RegMean(spec, num_clients=3, alphas=(0.5,))
+    assert sorted(strategy.linear_layers()) == sorted(f"{name}.weight" for name in layers)
+    for upload in uploads:
+        strategy.check_grams(upload)
+    fused = {k: v.numpy() for k, v in strategy.fuse(uploads).members[0].state_dict().items()}
+    for name in layers:
+        expected = brute_force_regmean(clients, name, alpha=0.5)
+        weight = fused[f"{name}.weight"]
+        merged = weight.reshape(len(weight), -1)
+        if f"{name}.bias" in fused:
+            merged = np.concatenate([merged, fused[f"{name}.bias"][:, None]], 1)
+        np.testing.assert_allclose(merged, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+        average = sum(u.num_examples * u.weights()[f"{name}.weight"] for u in uploads) / 105
+        assert np.abs(weight - average).max() > 1e-2, name  # not simply the average
+    for name in averaged:
+        expected = sum(u.num_examples * u.weights()[name].astype(np.float64)
+                       for u in uploads) / 105
+        np.testing.assert_allclose(fused[name], expected, rtol=1e-6, atol=1e-7, err_msg=name)
+    rule = weighted_average([u.weights() for u in uploads], [20, 35, 50])
+    for name in fused:
+        if name.endswith("num_batches_tracked"):
+            assert fused[name] == rule[name], name
+    assert sorted(fused) == sorted(uploads[0].weights())
+
+
+def test_gram_layers_come_from_the_module_types_not_the_shapes():
+    """nn.Embedding's weight is 2-D: the shape rule takes it for a Linear weight, the model's
+    modules do not. An honest upload (no Gram for it) passes validation and fuses, the
+    embedding averaged; a Gram for it, or none for a Linear layer, is refused by name."""
+    spec = ModelSpec("EmbedMLP", (1, 6, 6), 3, model_fn=EmbedMLP)
+    shapes = {k: tuple(v) for k, v in spec.param_shapes().items()}  # shapes only
+    assert expected_gram_sizes(shapes) == {"fc1.weight": 37, "embed.weight": 8,
+                                           "fc2.weight": 8}
+    sizes = model_gram_sizes(spec.build())
+    assert sizes == {"fc1.weight": 37, "fc2.weight": 8}
+    # a layout that names the Linear/Conv2d parameters (as fedfusion.state.StateLayout's kron)
+    layout = type("Layout", (dict,), {"kron": frozenset(
+        {"fc1.weight", "fc1.bias", "fc2.weight"})})(shapes)
+    assert layout_gram_sizes(layout) == sizes and layout_gram_sizes(shapes) is None
+    clients = [norm_client(spec, c, n) for c, n in enumerate((20, 35))]
+    good = [u for u, _, _ in clients]
+    extra = norm_client(spec, 2, 30)[0]
+    extra.members[0]["gram"]["embed.weight"] = np.eye(8, dtype=np.float32)
+    missing = norm_client(spec, 3, 30)[0]
+    del missing.members[0]["gram"]["fc2.weight"]
+    validate_upload(extra, lambda name, kwargs: shapes, ("weights", "gram"))  # shape rule: ok
+    with pytest.raises(ValueError, match=r"unexpected array\(s\) \['embed.weight'\]"):
+        validate_grams(extra.members[0]["gram"], layout)
+    with pytest.raises(ValueError, match=r"missing Gram\(s\) for layer\(s\) \['fc2.weight'\]"):
+        validate_grams(missing.members[0]["gram"], layout)
+    validate_grams(good[0].members[0]["gram"], layout)
+    strategy = RegMean(spec, num_clients=4, alphas=(1.0,))
+    fused = strategy.fuse_uploads([*good, extra, missing])
+    reasons = {e["client"]: e["reason"] for e in strategy.exclusions}
+    assert reasons == {
+        "2": "member 0 section 'gram': unexpected array(s) ['embed.weight'] (no Linear/Conv2d "
+             "weight of that name)",
+        "3": "member 0 section 'gram': missing Gram(s) for layer(s) ['fc2.weight']"}
+    state = fused.members[0].state_dict()
+    np.testing.assert_allclose(state["embed.weight"].numpy(),
+                               (20 * good[0].weights()["embed.weight"]
+                                + 35 * good[1].weights()["embed.weight"]) / 55, rtol=1e-6)
+    expected = brute_force_regmean(clients, "fc2", alpha=1.0)
+    np.testing.assert_allclose(state["fc2.weight"].numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_gram_layers_cover_every_weight_of_the_zoo():

@@ -1,5 +1,5 @@
-"""SWA: hand-computable weights, FedAvg equivalences, multi-round on real FMNIST, the CIFAR CNN
-path on generated data, and its run-config keys."""
+"""SWA: hand-computable weights, normalisation layers and buffers, FedAvg equivalences,
+multi-round on real FMNIST, the CIFAR CNN path on generated data, and its run-config keys."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,8 @@ from flwr.app import ConfigRecord, MetricRecord
 from scipy import stats
 from test_datasets import FakeCIFAR
 from test_payload import SPEC, make_upload
+from torch import nn
+from torch.nn import functional as F
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.datasets import load_dataset
@@ -20,7 +22,13 @@ from fedfusion.strategies import (
     FedAvg,
     StatisticalWeightAggregation,
 )
-from fedfusion.strategies.swa import SWA_DISTANCES, gaussianity_scores, layer_weights
+from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.strategies.swa import (
+    SWA_DISTANCES,
+    buffer_owners,
+    gaussianity_scores,
+    layer_weights,
+)
 
 TINY = ModelSpec("mlp", (1, 2, 4), 2, {"hidden_layers": 0})  # one Linear(8, 2): 16 weights
 
@@ -66,6 +74,123 @@ def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores():
     np.testing.assert_allclose(strategy.report()["gd"]["net.1.weight"], brute, rtol=1e-9)
     np.testing.assert_allclose(fused.ravel(), weights[0] * a + weights[1] * b, rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("distance", SWA_DISTANCES)
+class NormNet(nn.Module):
+    """fc1 (2->4) -> BatchNorm1d(4) -> ReLU -> fc2 (4->3) -> LayerNorm(3), bias-free Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 4, bias=False)
+        self.bn = nn.BatchNorm1d(4)
+        self.fc2 = nn.Linear(4, 3, bias=False)
+        self.ln = nn.LayerNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.fc2(F.relu(self.bn(self.fc1(x.flatten(1))))))
+
+
+NORM = ModelSpec("NormNet", (1, 1, 2), 3, model_fn=NormNet)
+
+
+def _hos(x: np.ndarray) -> float:
+    """|k3 k4| of the standardised values, by scipy."""
+    z = (x - x.mean()) / x.std(ddof=1)
+    return abs(stats.kstat(z, 3) * stats.kstat(z, 4))
+
+
+def test_normalisation_parameters_and_buffers_follow_the_stated_rule():
+    """Two NormNet clients (100 and 300 examples, size weighting on), values chosen by hand:
+    fc1 / bn.weight get Gaussianity weights; bn.bias (client 0 still at its zero init) and
+    the 3-entry LayerNorm tensors have no defined distance, so they are the size-weighted
+    average 1/4, 3/4; bn's running statistics take bn.weight's weights, num_batches_tracked
+    is not averaged but follows weighted_average's rule with bn.weight's weights."""
+    f32 = np.float32
+    a = {"fc1.weight": np.array([-3, -1, -1, 0, 0, 1, 1, 3], f32).reshape(4, 2),  # k3 = 0
+         "bn.weight": np.array([1.0, 1.0, 1.0, 2.0], f32),
+         "bn.bias": np.zeros(4, f32),
+         "bn.running_mean": np.array([0.1, 0.2, 0.3, 0.4], f32),
+         "bn.running_var": np.array([1.0, 2.0, 3.0, 4.0], f32),
+         "bn.num_batches_tracked": np.array(5, np.int64),
+         "fc2.weight": np.arange(12, dtype=f32).reshape(3, 4) ** 2 / 50,
+         "ln.weight": np.array([1.0, 0.9, 1.2], f32),
+         "ln.bias": np.array([0.0, 0.1, -0.1], f32)}
+    b = {"fc1.weight": np.array([0, 0, 0, 0, 0, 0, 1, 8], f32).reshape(4, 2),
+         "bn.weight": np.array([0.5, 1.0, 1.5, 3.0], f32),
+         "bn.bias": np.array([0.1, -0.2, 0.3, 0.6], f32),
+         "bn.running_mean": np.array([1.0, 2.0, 3.0, 4.0], f32),
+         "bn.running_var": np.array([0.5, 0.5, 0.25, 2.0], f32),
+         "bn.num_batches_tracked": np.array(7, np.int64),
+         "fc2.weight": np.sqrt(np.arange(12, dtype=f32)).reshape(3, 4),
+         "ln.weight": np.array([0.8, 1.1, 1.0], f32),
+         "ln.bias": np.array([0.2, 0.0, 0.3], f32)}
+    uploads = [ClientUpload(0, NORM.name, {}, 100, [{"weights": a}]),
+               ClientUpload(1, NORM.name, {}, 300, [{"weights": b}])]
+    strategy = StatisticalWeightAggregation(NORM, num_clients=2, distance="hos",
+                                            size_weighting=True)
+    fused = {k: v.numpy() for k, v in strategy.fuse(uploads).members[0].state_dict().items()}
+    report = strategy.report()
+    weights = report["weights"]
+    # fc1: client 0 is symmetric (k3 = 0, Gd = 0), so client 1 takes the layer
+    assert weights["fc1.weight"] == pytest.approx([0.0, 1.0], abs=1e-12)
+    np.testing.assert_allclose(fused["fc1.weight"], b["fc1.weight"], atol=1e-6)
+    # bn.weight: a normalisation parameter weighted like any tensor (4 entries: defined)
+    gd = np.array([_hos(a["bn.weight"].astype(np.float64)),
+                   _hos(b["bn.weight"].astype(np.float64))])
+    expected = gd * [100, 300] / np.sum(gd * [100, 300])
+    assert gd.min() > 0 and abs(expected[0] - 0.25) > 0.05  # not the size average
+    np.testing.assert_allclose(report["gd"]["bn.weight"], gd, rtol=1e-6)
+    np.testing.assert_allclose(weights["bn.weight"], expected, rtol=1e-6)
+    np.testing.assert_allclose(fused["bn.weight"], expected[0] * a["bn.weight"]
+                               + expected[1] * b["bn.weight"], rtol=1e-5)
+    # undefined distances (a constant tensor; 3 entries): the size-weighted average
+    assert report["undefined"] == ["bn.bias", "ln.bias", "ln.weight"]
+    assert report["gd"]["bn.bias"][0] is None and report["gd"]["bn.bias"][1] > 0
+    for name in ("bn.bias", "ln.weight", "ln.bias"):
+        assert weights[name] == pytest.approx([0.25, 0.75], abs=1e-12), name
+        np.testing.assert_allclose(fused[name], 0.25 * a[name] + 0.75 * b[name], rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
+    # buffers: bn.weight's weights; running statistics averaged with them
+    assert report["buffers"] == {"bn.running_mean": "bn.weight", "bn.running_var": "bn.weight",
+                                 "bn.num_batches_tracked": "bn.weight"}
+    for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        np.testing.assert_allclose(weights[name], expected, rtol=1e-6)
+        assert name not in report["gd"]
+    for name in ("bn.running_mean", "bn.running_var"):
+        np.testing.assert_allclose(fused[name], expected[0] * a[name] + expected[1] * b[name],
+                                   rtol=1e-5, err_msg=name)
+    # the counter: whatever weighted_average does with an integer entry under these weights
+    counter = weighted_average([a, b], {k: np.asarray(v) for k, v in weights.items()})
+    assert fused["bn.num_batches_tracked"] == counter["bn.num_batches_tracked"]
+    assert sorted(fused) == sorted(a)
+    for w in weights.values():
+        assert sum(w) == pytest.approx(1.0)
+
+
+def test_buffer_owners():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False), nn.BatchNorm1d(3))
+    model.register_buffer("scale", torch.ones(1))
+    assert buffer_owners(model) == {
+        "scale": None,
+        "1.running_mean": None, "1.running_var": None, "1.num_batches_tracked": None,
+        "2.running_mean": "2.weight", "2.running_var": "2.weight",
+        "2.num_batches_tracked": "2.weight"}
+    # a buffer of a parameterless module takes the size weights
+    uploads = []
+    for client, examples in ((0, 100), (1, 300)):
+        torch.manual_seed(client)
+        bn = nn.BatchNorm1d(4, affine=False)
+        bn.running_mean.normal_()
+        uploads.append(ClientUpload(client, "BN", {}, examples, [{"weights": {
+            k: v.numpy().copy() for k, v in bn.state_dict().items()}}]))
+    spec = ModelSpec("BN", (4,), 4, model_fn=lambda: nn.BatchNorm1d(4, affine=False))
+    strategy = StatisticalWeightAggregation(spec, num_clients=2, size_weighting=True)
+    fused = strategy.fuse(uploads).members[0].state_dict()
+    assert strategy.report()["weights"]["running_mean"] == pytest.approx([0.25, 0.75])
+    np.testing.assert_allclose(fused["running_mean"].numpy(),
+                               0.25 * uploads[0].weights()["running_mean"]
+                               + 0.75 * uploads[1].weights()["running_mean"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("distance", SWA_DISTANCES)

@@ -19,6 +19,7 @@ import torch
 
 from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
+from fedfusion.normalization import NORM_STATS
 from fedfusion.strategies.base import FusionStrategy
 
 
@@ -85,6 +86,7 @@ class Settings:
     round_timeout: float = 3600.0
     min_valid_uploads: int = 1
     member_fusion: str = ""
+    norm_stats: str = "auto"
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     fedbens_starts: str = "median"
@@ -192,6 +194,9 @@ class Settings:
             raise ConfigError("run-config 'init-perturbation' must be a finite number >= 0")
         if self.min_valid_uploads < 1:
             raise ConfigError("run-config 'min-valid-uploads' must be >= 1")
+        if self.norm_stats not in NORM_STATS:
+            raise ConfigError(f"run-config 'norm-stats' must be one of {NORM_STATS}, got "
+                              f"{self.norm_stats!r}")
         if self.member_fusion not in ("", "first", "each", "all"):
             raise ConfigError("run-config 'member-fusion' must be '' (the strategy's default), "
                               f"'first', 'each' or 'all', got {self.member_fusion!r}")
@@ -400,6 +405,7 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             extra_sections=[s for s in settings.extra_sections.split(",") if s],
             members=settings.member_fusion or None,
             client_config=client_config,
+            norm_stats=settings.norm_stats,
             **{arg: values[key] for arg, key in cls.config_keys.items()},
         )
     except ValueError as exc:

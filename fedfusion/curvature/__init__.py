@@ -33,6 +33,7 @@ from fedfusion.curvature.mixture import (
     log_prior,
     mixture_log_posterior,
 )
+from fedfusion.state import StateLayout, kron_parameters, parameter_shapes
 
 
 def curvature_from_arrays(
@@ -42,10 +43,19 @@ def curvature_from_arrays(
     temperature: float,
     prior_var: float,
 ) -> Curvature:
-    """Rebuild a curvature of the named ``structure`` (dispatch to ``<cls>.from_arrays``)."""
+    """Rebuild a curvature of the named ``structure`` (dispatch to ``<cls>.from_arrays``).
+
+    ``param_shapes`` may be a model's :class:`~fedfusion.state.StateLayout`: the curvature
+    then covers its parameters (never its buffers), and a Kron curvature must have diagonal
+    blocks exactly for the parameters outside Linear / Conv2d. A plain ``{name: shape}``
+    mapping is taken to list parameters only."""
     if structure not in CURVATURE_CLASSES:
         raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
-    return CURVATURE_CLASSES[structure].from_arrays(arrays, param_shapes, temperature, prior_var)
+    params = parameter_shapes(param_shapes)
+    if structure == "kron" and isinstance(param_shapes, StateLayout):
+        return KronCurvature.from_arrays(arrays, params, temperature, prior_var,
+                                         set(params) - kron_parameters(param_shapes))
+    return CURVATURE_CLASSES[structure].from_arrays(arrays, params, temperature, prior_var)
 
 
 __all__ = [

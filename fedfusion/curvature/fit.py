@@ -65,6 +65,7 @@ state (ASDL / BackPack), so a fit is reproducible and the global RNG is left alo
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import time
 from typing import Any
@@ -76,7 +77,11 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 from fedfusion.curvature import asdl_speedup
 from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
+from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
+from fedfusion.state import StateLayout
+
+log = logging.getLogger("fedfusion")
 
 #: backend name -> (laplace-torch curvature class in ``laplace.curvature``, its kwargs). Named,
 #: not imported: laplace-torch and what it loads take ~0.3 GB of memory per process, which the
@@ -118,8 +123,21 @@ def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEN
     if structure == "kron" and backend == "asdl_mc":
         from fedfusion.curvature.fast_kron import supports
 
-        return not supports(model)
+        return not (supports(model) or is_hybrid(model))
     return True
+
+
+def is_hybrid(model: nn.Module) -> bool:
+    """Whether ``model`` has parameters outside ``nn.Linear`` / ``nn.Conv2d`` (BatchNorm,
+    LayerNorm, ...): its Kron curvature is then fitted by :mod:`fedfusion.curvature.hybrid`."""
+    layout = StateLayout.of(model)
+    return bool(set(layout.parameters) - layout.kron)
+
+
+def _first_hybrid_module(model: nn.Module) -> str:
+    layout = StateLayout.of(model)
+    name = next(n for n in layout.parameters if n not in layout.kron)
+    return f"{layout.owners[name]} parameter {name!r}"
 
 
 def _laplace(
@@ -240,6 +258,19 @@ def fit_curvature(
         seed=seed,
     )
     if structure == "kron":
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Conv2d):
+                check_kron_module(name, module)
+        if is_hybrid(model):  # BatchNorm, LayerNorm, ...: laplace-torch's Kron cannot
+            if backend != DEFAULT_BACKEND:
+                raise ValueError(
+                    f"curvature backend {backend!r} has no Kron factors for the "
+                    f"{_first_hybrid_module(model)}; use the default backend "
+                    f"{DEFAULT_BACKEND!r} (Kron blocks for Linear/Conv2d, diagonal blocks for "
+                    "the rest) or the 'diag' structure")
+            matrices, diagonals = hybrid_kron_fit(model, x, seed, batch_size)
+            return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var,
+                                                    diagonals)
         if backend == "asdl_mc":  # the same factors without laplace-torch, where it can
             from fedfusion.curvature.fast_kron import kron_mc_factors
 
@@ -249,8 +280,7 @@ def fit_curvature(
         la = fit_laplace(model, x, y, "kron", **common)
         return kron_from_laplace(la, shapes, temperature, prior_var)
     if diagonal is None:
-        la = fit_laplace(model, x, y, "diag", **common)
-        diagonal = diag_from_laplace(la, shapes, temperature, prior_var)
+        diagonal = _fit_diagonal(model, x, y, shapes, common)
     if structure == "diag":
         return diagonal
     block = last_layer_block(model, _last_linear_name(model, shapes), x, y,
@@ -266,6 +296,26 @@ def fit_curvature(
     dtype = next(model.parameters()).dtype
     arrays[f"{last[0]}/ggn_full"] = to_numpy((0.5 * (block + block.T)).to(dtype))
     return DiagFullCurvature.from_arrays(arrays, shapes, temperature, prior_var)
+
+
+def _fit_diagonal(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  shapes: dict[str, tuple[int, ...]], common: dict[str, Any]) -> DiagCurvature:
+    """laplace-torch's diagonal; for a module it does not know (its backends skip such a
+    module's parameters or fail on them), the MC-Fisher diagonal of
+    :mod:`fedfusion.curvature.hybrid` for the default backend, else an error naming it."""
+    temperature, prior_var = common["temperature"], common["prior_var"]
+    try:
+        la = fit_laplace(model, x, y, "diag", **common)
+        return diag_from_laplace(la, shapes, temperature, prior_var)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        if common["backend"] != DEFAULT_BACKEND:
+            raise ValueError(f"curvature backend {common['backend']!r} cannot fit the diagonal "
+                             f"of this model ({type(exc).__name__}: {exc}); use the default "
+                             f"backend {DEFAULT_BACKEND!r}") from exc
+        log.info("diag curvature: laplace-torch failed (%s: %s); MC-Fisher diagonal instead",
+                 type(exc).__name__, str(exc)[:200])
+    _, diagonals = hybrid_kron_fit(model, x, common["seed"], common["batch_size"], kron=False)
+    return DiagCurvature(diagonals, shapes, temperature, prior_var)
 
 
 @torch.no_grad()

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -69,6 +69,8 @@ from fedfusion.curvature.base import (
 )
 
 FACTOR_KEYS = ("eigvals_out", "eigvecs_out", "eigvals_in", "eigvecs_in")
+#: array key of a diagonal block (a parameter outside Linear / Conv2d)
+DIAG_KEY = "ggn_diag"
 _HALF_DTYPES = (np.float16,)
 
 
@@ -163,6 +165,13 @@ class KronCurvature(Curvature):
 
     ``Lambda_W = (Q_B (x) Q_A) diag(outer(l_B, l_A) / T + 1/sigma2) (Q_B (x) Q_A)^T``; layers
     are independent (block diagonal ``Lambda``).
+
+    Hybrid networks: a parameter outside ``nn.Linear`` / ``nn.Conv2d`` (BatchNorm, LayerNorm,
+    GroupNorm, Embedding, a user's layer) has no Kronecker structure; it gets a diagonal block
+    ``H_W = diag(h)`` (``diagonals[name]``, arrays ``"<param>/ggn_diag"``), so
+    ``Lambda_W = diag(h / T + 1/sigma2)``, ``log det Lambda_W = sum log(h / T + 1/sigma2)``
+    and the quadratic form ``sum (h / T + 1/sigma2) (w - m)^2`` (see
+    :mod:`fedfusion.curvature.hybrid` for how the client fits both kinds of block).
     """
 
     structure: ClassVar[str] = "kron"
@@ -173,12 +182,19 @@ class KronCurvature(Curvature):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        diagonals: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(param_shapes, temperature, prior_var)
-        missing = [name for name in self.param_shapes if name not in factors]
+        diagonals = diagonals or {}
+        missing = [name for name in self.param_shapes
+                   if name not in factors and name not in diagonals]
         if missing:
             raise ValueError(f"missing Kronecker factors for parameters {missing}")
-        self.factors: dict[str, KronFactors] = {name: factors[name] for name in self.param_shapes}
+        #: the diagonal blocks ``h`` (parameter shape) of the parameters without Kron factors
+        self.diagonals: dict[str, torch.Tensor] = {
+            name: diagonals[name] for name in self.param_shapes if name in diagonals}
+        self.factors: dict[str, KronFactors] = {
+            name: factors[name] for name in self.param_shapes if name not in self.diagonals}
 
     @classmethod
     def from_kron_matrices(
@@ -187,10 +203,13 @@ class KronCurvature(Curvature):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        diagonals: Mapping[str, torch.Tensor] | None = None,
     ) -> KronCurvature:
-        """From dense factors ``{name: (B, A)}``: eigendecomposed in float64, stored in the
-        factors' dtype, round-off negatives clipped (via :meth:`from_arrays`' validation)."""
-        arrays: dict[str, np.ndarray] = {}
+        """From dense factors ``{name: (B, A)}`` (and diagonal blocks ``{name: h}`` of the
+        other parameters): eigendecomposed in float64, stored in the factors' dtype,
+        round-off negatives clipped (via :meth:`from_arrays`' validation)."""
+        arrays: dict[str, np.ndarray] = {
+            f"{name}/{DIAG_KEY}": to_numpy(h) for name, h in (diagonals or {}).items()}
         for name, (b, a) in matrices.items():
             for side, mat in (("out", b), ("in", a)):
                 vals, vecs = torch.linalg.eigh(mat.detach().double())
@@ -207,7 +226,8 @@ class KronCurvature(Curvature):
         the defaults round-trip bit-exactly."""
         if rank is not None and rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, np.ndarray] = {
+            f"{name}/{DIAG_KEY}": to_numpy(h) for name, h in self.diagonals.items()}
         for name, fac in self.factors.items():
             if rank is not None:
                 fac = fac.truncated(rank)
@@ -225,10 +245,24 @@ class KronCurvature(Curvature):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        diagonal_params: Collection[str] | None = None,
     ) -> KronCurvature:
+        """Rebuild from :meth:`to_arrays`. A parameter with a ``"<param>/ggn_diag"`` array has a
+        diagonal block, any other the four factor arrays. ``diagonal_params``, when given (the
+        server knows which parameters are not Linear/Conv2d ones), is the exact set that must
+        be diagonal: a client cannot choose another structure for a layer."""
         factors: dict[str, KronFactors] = {}
+        diagonals: dict[str, torch.Tensor] = {}
         expected: set[str] = set()
         for name, shape in param_shapes.items():
+            diag_key = f"{name}/{DIAG_KEY}"
+            is_diag = diag_key in arrays if diagonal_params is None else (
+                name in diagonal_params)
+            if is_diag:
+                expected.add(diag_key)
+                values = get_array(arrays, diag_key, tuple(shape))
+                diagonals[name] = as_tensor(clip_nonnegative(diag_key, values))
+                continue
             out_dim, in_dim = matrix_shape(tuple(shape))
             tensors: dict[str, torch.Tensor] = {}
             for side, dim in (("out", out_dim), ("in", in_dim)):
@@ -250,11 +284,15 @@ class KronCurvature(Curvature):
                 tensors[f"eigvecs_{side}"] = q
             factors[name] = KronFactors(**tensors)
         check_unexpected(arrays, expected)
-        return cls(factors, param_shapes, temperature, prior_var)
+        return cls(factors, param_shapes, temperature, prior_var, diagonals)
 
     def layer_logdet(self, name: str) -> float:
         """``log det Lambda_W``: ``sum log(outer(l_B, l_A)/T + delta)`` over the kept
-        eigenpairs, plus ``log(delta)`` for every direction a truncation dropped."""
+        eigenpairs, plus ``log(delta)`` for every direction a truncation dropped (a diagonal
+        block: ``sum log(h/T + delta)``)."""
+        if name in self.diagonals:
+            h = self.diagonals[name].double()
+            return float(torch.log(h / self.temperature + self.prior_precision).sum())
         fac = self.factors[name]
         eig = fac.likelihood_eigvals(self.temperature).double() + self.prior_precision
         out_dim, in_dim = matrix_shape(self.param_shapes[name])
@@ -266,7 +304,12 @@ class KronCurvature(Curvature):
 
     def dense_precision(self) -> torch.Tensor:
         blocks = []
-        for fac in self.factors.values():
+        for name in self.param_shapes:
+            if name in self.diagonals:
+                h = self.diagonals[name].double().flatten()
+                blocks.append(torch.diag(h / self.temperature + self.prior_precision))
+                continue
+            fac = self.factors[name]
             q = torch.kron(fac.eigvecs_out.double(), fac.eigvecs_in.double())
             eig = fac.likelihood_eigvals(self.temperature).double().flatten()
             eye = torch.eye(q.shape[0], dtype=torch.float64)

@@ -197,7 +197,8 @@ def _pad(mat: torch.Tensor, rows: int | None = None, cols: int | None = None) ->
 
 class StackedKron(StackedGaussians):
     """Kron components: per layer ``quad = sum_{p,q} S[p,q]^2 Lambda_eig[p,q]`` with the
-    sandwich ``S = Q_B^T (W - M) Q_A = Q_B^T W Q_A - C``, ``C = Q_B^T M Q_A`` precomputed.
+    sandwich ``S = Q_B^T (W - M) Q_A = Q_B^T W Q_A - C``, ``C = Q_B^T M Q_A`` precomputed;
+    a parameter with a diagonal block (hybrid networks) adds ``sum_i prec_i (w_i - m_i)^2``.
 
     For truncated factors (``rank`` < dimension) the prior part acts on all directions:
     ``quad = ||W - M||^2 / sigma2 + sum S^2 outer(l_B, l_A) / T``; members truncated to
@@ -219,6 +220,17 @@ class StackedKron(StackedGaussians):
         delta = torch.tensor([c.prior_precision for c in kron], dtype=torch.float64)
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for name, shape in param_shapes.items():
+            diagonal = [name in c.diagonals for c in kron]
+            if any(diagonal):
+                if not all(diagonal):
+                    raise ValueError(f"parameter {name!r} has a diagonal block in component "
+                                     f"{diagonal.index(True)} and Kron factors in component "
+                                     f"{diagonal.index(False)}")
+                prec = torch.stack([c.diagonals[name].double().flatten() / c.temperature
+                                    for c in kron]) + delta[:, None]
+                layers[name] = {"diag_mean": means[name].flatten(1).to(device, dtype),
+                                "diag_prec": prec.to(device, dtype)}
+                continue
             facs = [c.factors[name] for c in kron]
             full = all(f.full_rank for f in facs)
             rank_b = max(f.eigvecs_out.shape[1] for f in facs)
@@ -259,6 +271,10 @@ class StackedKron(StackedGaussians):
     ) -> torch.Tensor:
         """``[P]`` quadratic form of one layer; ``w`` is ``[R, *param_shape]``."""
         layer = self.layers[name]
+        if "diag_prec" in layer:  # a parameter outside Linear / Conv2d: diagonal block
+            return _diag_pair_quadratic_form(w.reshape(w.shape[0], -1), layer["diag_mean"],
+                                             layer["diag_prec"], runs, comps,
+                                             self.max_chunk_bytes)
         qb, qa = layer["qb"], layer["qa"]
         out_dim, rank_b = qb.shape[1:]
         in_dim, rank_a = qa.shape[1:]

@@ -37,6 +37,7 @@ from torch import nn
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.datasets import ImageData
 from fedfusion.evaluation import LabelledData, as_labelled, resolve_device
+from fedfusion.normalization import NORM_STATS, recalibrate
 from fedfusion.payload import (
     WEIGHTS,
     ClientUpload,
@@ -48,6 +49,7 @@ from fedfusion.payload import (
     validate_upload,
 )
 from fedfusion.predictors import Ensemble
+from fedfusion.state import state_arrays
 
 log = logging.getLogger("fedfusion")
 
@@ -121,6 +123,11 @@ COMMON_PARAMETERS = """
     client_config : mapping, optional
         Entries added to every train config, read by the client's local objective
         (``prox-mu``, ``contrastive-weight``, ``contrastive-temperature``).
+    norm_stats : {"auto", "average", "recalibrate", "client"}, default "auto"
+        BatchNorm running statistics of the fused model(s) (:mod:`fedfusion.normalization`):
+        the sample-weighted average of the clients', re-estimated on ``val``'s inputs, or
+        each client's own where the predictor keeps client models. "auto": "client" for
+        those predictors, else the strategy's measured default with ``val``, else "average".
 """
 
 
@@ -142,6 +149,11 @@ class FusionStrategy(Strategy, ABC):
     member_modes: ClassVar[tuple[str, ...]] = ("first", "each")
     #: constructor argument -> run-config key of the App (whose defaults must be equal)
     config_keys: ClassVar[Mapping[str, str]] = {}
+    #: True where the predictor keeps the client models whole (their own BatchNorm statistics)
+    keeps_client_models: ClassVar[bool] = False
+    #: the ``norm_stats`` rule "auto" picks when a validation set is given (measured per
+    #: strategy: benchmarks/real_models.py)
+    default_norm_stats: ClassVar[str] = "recalibrate"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -166,6 +178,7 @@ class FusionStrategy(Strategy, ABC):
         extra_sections: Sequence[str] = (),
         members: str | None = None,
         client_config: Mapping[str, float] | None = None,
+        norm_stats: str = "auto",
     ):
         val_data = as_labelled(val, "val") if val is not None else None
         spec = ModelSpec.from_model_fn(model_fn)
@@ -185,6 +198,18 @@ class FusionStrategy(Strategy, ABC):
         _check("init_perturbation", init_perturbation,
                math.isfinite(init_perturbation) and init_perturbation >= 0, "a number >= 0")
         self.init_perturbation = float(init_perturbation)
+        _check("norm_stats", norm_stats, norm_stats in NORM_STATS, f"one of {NORM_STATS}")
+        _check("norm_stats", norm_stats, (norm_stats == "client") <= self.keeps_client_models,
+               f"'average' or 'recalibrate' for {type(self).__name__}, which fuses the client "
+               "models ('client' keeps each client's statistics: ensemble and AMS only)")
+        _check("norm_stats", norm_stats, norm_stats in ("auto", "client")
+               or not self.keeps_client_models,
+               f"'client' or 'auto' for {type(self).__name__}, whose predictor keeps every "
+               "client model with its own statistics")
+        #: the rule in force (``norm_stats`` with "auto" resolved)
+        self.norm_stats = norm_stats if norm_stats != "auto" else (
+            "client" if self.keeps_client_models else
+            self.default_norm_stats if val_data is not None and len(val_data) else "average")
         self.members = members or self.member_modes[0]
         _check("members", self.members, self.members in self.member_modes,
                f"one of {self.member_modes} for {type(self).__name__}")
@@ -201,6 +226,8 @@ class FusionStrategy(Strategy, ABC):
         #: called with the valid uploads before fusing, so they are kept even if fusion fails
         self.upload_sink: Callable[[list[ClientUpload]], None] | None = None
         self.fuse_seconds = 0.0
+        #: BatchNorm layers whose statistics the last fusion re-estimated (``norm_stats``)
+        self.recalibrated_layers = 0
         #: wall seconds from sending the train messages to holding every reply, summed over
         #: rounds: the client phase as the server sees it (training, statistics, transfer)
         self.client_round_seconds = 0.0
@@ -247,9 +274,19 @@ class FusionStrategy(Strategy, ABC):
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
         self.predictor = self.fuse(uploads)
+        self.recalibrated_layers = self._apply_norm_stats(self.predictor)
         self.fuse_seconds += time.perf_counter() - start
         self._check_predictor(self.predictor)
         return self.predictor
+
+    def _apply_norm_stats(self, predictor: nn.Module) -> int:
+        """The ``norm_stats`` rule on the fused models (the average is what :meth:`fuse`
+        leaves): BatchNorm layers re-estimated on the validation inputs; returns how many."""
+        val = self.context.val
+        if self.norm_stats != "recalibrate" or val is None or not len(val):
+            return 0
+        models = predictor.members if isinstance(predictor, Ensemble) else [predictor]
+        return sum(recalibrate(model, val.x) for model in models)
 
     def _check_predictor(self, predictor: nn.Module) -> None:
         """A predictor that outputs NaN or Inf on the validation inputs is an error, not a
@@ -311,10 +348,9 @@ class FusionStrategy(Strategy, ABC):
             if self.init_perturbation and m > 0:
                 models.append({k: (v + self.init_perturbation * torch.randn(
                     v.shape, dtype=torch.float64).numpy()).astype(v.dtype)
-                    for k, v in models[0].items()})
+                    if v.dtype.kind == "f" else v.copy() for k, v in models[0].items()})
                 continue
-            model = self.context.model_spec.build()
-            models.append({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
+            models.append(state_arrays(self.context.model_spec.build()))
         return models
 
     def start(  # type: ignore[override]
@@ -416,9 +452,7 @@ class FusionStrategy(Strategy, ABC):
     def broadcast_arrays(self, predictor: nn.Module) -> ArrayRecord:
         """What the next round (if any) broadcasts: the predictor's member weights."""
         members = predictor.members if isinstance(predictor, Ensemble) else [predictor]
-        return encode_models(
-            [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in members]
-        )
+        return encode_models([state_arrays(m) for m in members])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -25,18 +25,39 @@ data, by alternating two players:
   batch drawn from the pool, minimising the batch mean of
   T^2 KL(p_t || p_s) = T^2 sum_j p_t,j (log p_t,j - log p_s,j), p = softmax(logits / T).
 
-The statistics term R. DENSE matches, at every BatchNorm layer of the teachers, the batch
-mean/variance of the synthetic data to the stored running statistics (DeepInversion). Our
-models have no BatchNorm, so there are no stored statistics; the options (``stats_term``):
+The statistics term R (``stats_term``). DENSE matches, at every BatchNorm layer of the
+teachers, the batch statistics of the synthetic data to the statistics the layer stored while
+its client trained (DeepInversion, Yin et al. 2020):
 
-* ``"none"``: R = 0;
-* ``"input"`` (default): the DeepInversion norm at the one layer whose statistics we do know,
+* ``"bn"``, the original term: with l over the BatchNorm layers (1d/2d/3d, running statistics
+  tracked) of teacher k, h_{k,l}(x) the layer's INPUT on the synthetic batch, and
+  mu_c, sigma^2_c its per-channel mean and biased variance over the batch and every other
+  axis but the channel axis 1,
+
+      R = 1/K sum_k sum_l ( ||mu(h_{k,l}) - running_mean_{k,l}||_2
+                            + ||sigma^2(h_{k,l}) - running_var_{k,l}||_2 ),
+
+  the sum over layers of DeepInversion's hook, averaged over the K teachers. The teachers are
+  in eval mode (each layer normalises with its running statistics, as at inference), the
+  running statistics are constants, and the gradient reaches G through h_{k,l}(x).
+
+Models without BatchNorm (the zoo's) have no stored statistics; for them:
+
+* ``"input"``: the DeepInversion norm at the one layer whose statistics we do know,
   the input: the data are normalised per channel with the training set's statistics, so
   real inputs have per-channel mean 0 and variance 1, and
   R = ||mu(x)||_2 + ||sigma^2(x) - 1||_2 over channels (mu, sigma^2 over batch and pixels);
 * ``"act"``: DAFL's activation loss (Chen et al. 2019; the reference code's unused ``--act``),
   R = -mean |h_k(x)| over the teachers' penultimate activations h_k (the input of each
-  member's last Linear layer): samples that excite the teachers' features strongly.
+  member's last Linear layer): samples that excite the teachers' features strongly;
+* ``"none"``: R = 0.
+
+``"auto"`` (the default) resolves, when the teachers are built, to ``"bn"`` when every
+teacher has at least one BatchNorm layer with running statistics, else to ``"input"``
+(:data:`FALLBACK_STATS_TERM`); :meth:`Dense.report` records the term used, the one asked
+for and the number of BatchNorm layers per teacher. ``"bn"`` asked for on teachers without
+BatchNorm statistics is an error. R enters L_G with the weight ``act_weight`` whatever the
+term; the BatchNorm term has not been measured here (no model of the zoo has BatchNorm).
 
 Measured (one thread; 5 bias-free LeNet clients on Fashion-MNIST, 10k training images,
 5 local epochs (Dir(0.5)) or 10 (Dir(0.1)), 500 validation images; test accuracy (%) of the
@@ -52,10 +73,11 @@ stats term    Dir(0.5), seeds 0 / 1  Dir(0.5), g_lr 5e-3  Dir(0.1), seed 0
 
 FedAvg (the student's start) 59.58 / 44.24, the clients' softmax ensemble 69.39 / 58.26;
 a random start (``input``) 67.35 on Dir(0.5). The three terms are within 0.4 points of each
-other, i.e. no measurable effect; ``input`` is the default as the best on Dir(0.5) and the
-cheapest meaningful one. A run costs 0.35-0.45 s of CPU per iteration (1 G step + 5 student
-steps, batch 256), so 70-90 s on one core. ``g_lr`` 5e-3 reaches the plateau in ~40
-iterations instead of ~100 (useful for short runs), with the same final accuracy.
+other, i.e. no measurable effect; ``input`` is the fallback of ``auto`` as the best on
+Dir(0.5) and the cheapest meaningful one. A run costs 0.35-0.45 s of CPU per iteration
+(1 G step + 5 student steps, batch 256), so 70-90 s on one core. ``g_lr`` 5e-3 reaches the
+plateau in ~40 iterations instead of ~100 (useful for short runs), with the same final
+accuracy.
 
 The student starts from the sample-weighted FedAvg of the clients' first members
 (``student_init="fedavg"``; the reference starts from a random network, ``"random"``: 1.5
@@ -81,7 +103,13 @@ Departures from the reference code (zj-jayzhang/DENSE, ``AdvSynthesizer`` + ``kd
   student, 1 for the adversarial term);
 * transposed convolutions and tanh scaled to the normalised data range (the reference:
   upsample + conv3 at full resolution and a sigmoid in [0, 1] for un-normalised models);
-* the BatchNorm statistics loss is replaced as described above.
+* the BatchNorm statistics term is averaged over the teachers and weighted by ``act_weight``
+  (default 0.1); the reference sums DeepInversion's hook over every ``BatchNorm2d`` of every
+  teacher with weight ``--bn`` (1 in its README), i.e. ``act_weight = K`` here. We also hook
+  BatchNorm1d/3d. Without BatchNorm in the teachers the term is replaced as described above;
+* the student is scored on the validation set in eval mode (its running statistics, if it has
+  BatchNorm, are neither used nor updated by the validation images) and trained in train
+  mode, as the reference.
 """
 
 from __future__ import annotations
@@ -105,9 +133,13 @@ from fedfusion.strategies.fedavg import weighted_average
 
 log = logging.getLogger("fedfusion")
 
-STATS_TERMS = ("none", "input", "act")
-#: the statistics term used when none is named (measured: see the module docstring)
-DEFAULT_STATS_TERM = "input"
+STATS_TERMS = ("auto", "bn", "input", "act", "none")
+#: the statistics term used when none is named: "bn" for BatchNorm teachers, else the fallback
+DEFAULT_STATS_TERM = "auto"
+#: what "auto" means for teachers without BatchNorm statistics (measured: see the module doc)
+FALLBACK_STATS_TERM = "input"
+#: the layers whose running statistics the "bn" term matches
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 #: data range assumed per channel when there is no validation set to read it from
 FALLBACK_RANGE = (-2.0, 2.0)
 
@@ -147,10 +179,33 @@ class Generator(nn.Module):
         return self.low + (self.high - self.low) * (torch.tanh(out) + 1) / 2
 
 
-class LogitEnsemble(nn.Module):
-    """t(x) = 1/K sum_k f_k(x): the mean of the members' logits (frozen)."""
+def batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every BatchNorm layer of ``model`` that holds running statistics
+    (:data:`BATCHNORMS` with ``track_running_stats``), in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, BATCHNORMS) and m.running_mean is not None
+            and m.running_var is not None]
 
-    def __init__(self, members: Sequence[nn.Module]):
+
+def bn_stats_loss(h: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor
+                  ) -> torch.Tensor:
+    """DeepInversion's term at one BatchNorm layer: ``||mu(h) - running_mean||_2 +
+    ||sigma^2(h) - running_var||_2``, with mu and the biased sigma^2 per channel (axis 1) of
+    the layer's input ``h`` ``[B, C, ...]`` over every other axis."""
+    dims = [d for d in range(h.dim()) if d != 1]
+    mean = h.mean(dim=dims)
+    var = h.var(dim=dims, correction=0)
+    return (torch.linalg.vector_norm(mean - running_mean.to(h.dtype))
+            + torch.linalg.vector_norm(var - running_var.to(h.dtype)))
+
+
+class LogitEnsemble(nn.Module):
+    """t(x) = 1/K sum_k f_k(x): the mean of the members' logits (frozen).
+
+    With ``bn_stats`` every BatchNorm layer of every member records
+    :func:`bn_stats_loss` of its input during a forward (see :meth:`bn_statistics_loss`)."""
+
+    def __init__(self, members: Sequence[nn.Module], bn_stats: bool = False):
         super().__init__()
         self.members = nn.ModuleList(members)
         for p in self.parameters():
@@ -158,16 +213,36 @@ class LogitEnsemble(nn.Module):
         self.eval()
         #: the members' penultimate activations of the last forward (for the "act" term)
         self.features: list[torch.Tensor] = []
+        #: every BatchNorm layer's statistics term of the last forward (for the "bn" term)
+        self.bn_terms: list[torch.Tensor] = []
         for member in self.members:
-            last = [m for m in member.modules() if isinstance(m, nn.Linear)][-1]
-            last.register_forward_hook(self._keep_input)
+            linears = [m for m in member.modules() if isinstance(m, nn.Linear)]
+            if linears:
+                linears[-1].register_forward_hook(self._keep_input)
+            if bn_stats:
+                for _, layer in batchnorm_layers(member):
+                    layer.register_forward_pre_hook(self._match_statistics)
 
     def _keep_input(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
                     output: torch.Tensor) -> None:
         self.features.append(inputs[0])
 
+    def _match_statistics(self, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        mean, var = module.running_mean, module.running_var
+        assert isinstance(mean, torch.Tensor) and isinstance(var, torch.Tensor)
+        self.bn_terms.append(bn_stats_loss(inputs[0], mean, var))
+
+    def bn_statistics_loss(self) -> torch.Tensor:
+        """R of the last forward: the sum of the BatchNorm layers' terms, averaged over the
+        members (1/K sum_k sum_l ...)."""
+        if not self.bn_terms:
+            raise RuntimeError("no BatchNorm statistics recorded: build the ensemble with "
+                               "bn_stats=True from members with BatchNorm, then call it")
+        return torch.stack(self.bn_terms).sum() / len(self.members)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.features = []
+        self.bn_terms = []
         return torch.stack([m(x) for m in self.members]).mean(0)
 
 
@@ -227,8 +302,11 @@ class Dense(FusionStrategy):
     adv_weight : float, default 1.0
         Weight of the adversarial (teacher-student disagreement) loss.
     act_weight : float, default 0.1
-        Weight of the activation-statistics loss.
-    stats_term, student_init, generator_width, temperature, data_range, pool_batches, \
+        Weight of the statistics term R, whichever it is.
+    stats_term : {"auto", "bn", "input", "act", "none"}, default "auto"
+        The statistics term R: "auto" = the BatchNorm-statistics term ("bn") when the teachers
+        have BatchNorm, else "input" (see the module docstring).
+    student_init, generator_width, temperature, data_range, pool_batches, \
 adv_mask, eval_fraction
         Details of the generator and the distillation (see the module docstring).
     """
@@ -277,6 +355,10 @@ adv_mask, eval_fraction
         self.g_lr, self.s_lr, self.g_steps, self.s_steps = g_lr, s_lr, g_steps, s_steps
         self.adv_weight, self.act_weight = adv_weight, act_weight
         self.stats_term, self.student_init = stats_term, student_init
+        #: the term in use, resolved from ``stats_term`` by :meth:`build`
+        self.stats_term_used: str | None = None
+        #: BatchNorm layers with running statistics, per teacher (set by :meth:`build`)
+        self.bn_layers: list[int] = []
         self.generator_width, self.temperature = generator_width, temperature
         self.data_range = data_range
         self.pool_batches = pool_batches
@@ -304,11 +386,27 @@ adv_mask, eval_fraction
             low, high = FALLBACK_RANGE
         return torch.full((channels,), float(low)), torch.full((channels,), float(high))
 
+    def resolve_stats_term(self, members: Sequence[nn.Module]) -> str:
+        """The term ``stats_term`` means for these teachers ("auto": "bn" when every one has
+        BatchNorm statistics, else :data:`FALLBACK_STATS_TERM`); records the BatchNorm
+        layers per teacher in :attr:`bn_layers`."""
+        self.bn_layers = [len(batchnorm_layers(m)) for m in members]
+        has_bn = bool(members) and all(self.bn_layers)
+        if self.stats_term == "auto":
+            return "bn" if has_bn else FALLBACK_STATS_TERM
+        if self.stats_term == "bn" and not has_bn:
+            raise ValueError(f"stats_term 'bn' matches the teachers' BatchNorm running "
+                             f"statistics, but BatchNorm layers per teacher are "
+                             f"{self.bn_layers}; use 'auto', 'input', 'act' or 'none'")
+        return self.stats_term
+
     def build(self, uploads: Sequence[ClientUpload]) -> None:
-        """Teacher (all members of all clients), student and generator, seeded."""
+        """Teacher (all members of all clients), student and generator, seeded; resolves the
+        statistics term (:meth:`resolve_stats_term`)."""
         spec, device = self.context.model_spec, self.context.device
         members = [m for upload in uploads for m in self.context.member_models(upload)]
-        self.teacher = LogitEnsemble(members).to(device)
+        self.stats_term_used = self.resolve_stats_term(members)
+        self.teacher = LogitEnsemble(members, bn_stats=self.stats_term_used == "bn").to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.context.seed)
             low, high = self.channel_range()
@@ -334,9 +432,11 @@ adv_mask, eval_fraction
     def stats_loss(self, x: torch.Tensor) -> torch.Tensor:
         """The statistics term R(x) (after the teacher's forward on x)."""
         assert self.teacher is not None
-        if self.stats_term == "input":
+        if self.stats_term_used == "bn":
+            return self.teacher.bn_statistics_loss()
+        if self.stats_term_used == "input":
             return input_stats_loss(x)
-        if self.stats_term == "act":
+        if self.stats_term_used == "act":
             return -torch.stack([h.abs().mean() for h in self.teacher.features]).mean()
         return x.new_zeros(())
 
@@ -382,7 +482,7 @@ adv_mask, eval_fraction
                           spec.num_classes, device)
         log.info("[dense] %d iterations x (%d G + %d student steps), batch %d, stats term %s, "
                  "student from %s, on %s", self.epochs, self.g_steps, self.s_steps,
-                 self.batch_size, self.stats_term, self.student_init, device)
+                 self.batch_size, self.stats_term_used, self.student_init, device)
         self.trace, self.best = [], {}
         best_state = self._snapshot()
         start = time.perf_counter()
@@ -433,8 +533,13 @@ adv_mask, eval_fraction
         if val is None or len(val) == 0:
             return {}
         assert self.student is not None
-        logits = torch.cat([self.student(val.x[i:i + 2000].to(self.context.device)).cpu()
-                            for i in range(0, len(val), 2000)])
+        was_training = self.student.training
+        self.student.eval()  # BatchNorm: score with (and leave) the running statistics
+        try:
+            logits = torch.cat([self.student(val.x[i:i + 2000].to(self.context.device)).cpu()
+                                for i in range(0, len(val), 2000)])
+        finally:
+            self.student.train(was_training)
         metrics = classification_metrics(torch.log_softmax(logits.float(), 1), val.y)
         return {"val_accuracy": metrics["accuracy"], "val_nll": metrics["nll"]}
 
@@ -452,7 +557,9 @@ adv_mask, eval_fraction
                 "latent_dim": self.latent_dim, "generator_width": self.generator_width,
                 "pool_batches": self.pool_batches, "adv_mask": self.adv_mask,
                 "adv_weight": self.adv_weight,
-                "act_weight": self.act_weight, "stats_term": self.stats_term,
+                "act_weight": self.act_weight,
+                "stats_term": self.stats_term_used or self.stats_term,
+                "stats_term_requested": self.stats_term, "bn_layers": self.bn_layers,
                 "student_init": self.student_init, "temperature": self.temperature,
                 "selection": "validation" if self.context.val is not None else "last",
                 "best": self.best, "seconds_per_iteration": self.seconds_per_iteration,

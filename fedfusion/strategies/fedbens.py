@@ -43,6 +43,7 @@ from fedfusion.curvature import (
 from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
+from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.uploads import curvature_section
 
@@ -142,7 +143,7 @@ class FedBEns(FusionStrategy):
                                                                         torch.Tensor]:
         """All members of all clients as one stack, and the client index of each member."""
         spec = self.context.model_spec
-        shapes = dict(self.context.param_shapes(spec.name, spec.kwargs))
+        shapes = self.context.param_shapes(spec.name, spec.kwargs)
         means, curvatures, owner = [], [], []
         for c, upload in enumerate(uploads):
             for member in upload.members:
@@ -161,17 +162,23 @@ class FedBEns(FusionStrategy):
         return mixture_log_posterior(w, stacked, owner, num_clients, self.prior_var)
 
     def starting_points(self, uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
-        """Run r starts at the per-parameter median over the clients that have member r, or
-        (``starts="members"``) at each uploaded member."""
+        """Run r starts at the per-parameter median over the clients that have member r (the
+        buffers at their sample-weighted average), or (``starts="members"``) at each uploaded
+        member."""
         if self.starts == "members":
             return [u.weights(m) for u in uploads for m in range(u.num_members)][
                 : self.modes or None]
         runs = max(u.num_members for u in uploads)
+        parameters = set(self.context.model_spec.param_shapes().parameters)
         starts = []
         for r in range(min(runs, self.modes) if self.modes else runs):
-            holders = [u.weights(r) for u in uploads if u.num_members > r]
-            starts.append({name: np.median(np.stack([h[name] for h in holders]), axis=0)
-                           for name in holders[0]})
+            holders = [u for u in uploads if u.num_members > r]
+            # buffers (running statistics) are not optimised: the sample-weighted average
+            start = weighted_average([u.weights(r) for u in holders],
+                                     [u.num_examples for u in holders])
+            start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
+                                          axis=0) for name in parameters})
+            starts.append(start)
         return starts
 
     # ------------------------------------------------------------------ fusion

@@ -162,7 +162,7 @@ class FedFisher(FusionStrategy):
     def build_problem(self, uploads: Sequence[ClientUpload]) -> FedFisherProblem:
         """One stack of (w_{i,r}, H_{i,r} + damping I) per member index r."""
         spec = self.context.model_spec
-        shapes = dict(self.context.param_shapes(spec.name, spec.kwargs))
+        shapes = self.context.param_shapes(spec.name, spec.kwargs)
         section = curvature_section(self.structure)
         stacks, totals = [], []
         for r in range(max(u.num_members for u in uploads)):

@@ -50,12 +50,16 @@ def fisher_merge(
     floor: float = 1e-6,
 ) -> tuple[dict[str, np.ndarray], int]:
     """Elementwise sum_i H_i w_i / sum_i H_i (``fishers[i][name]`` = H_i, summed over samples),
-    and the FedAvg value where sum_i H_i / sum_i n_i < floor or sum_i H_i = 0. Computed in
+    and the FedAvg value where sum_i H_i / sum_i n_i < floor or sum_i H_i = 0 (and for the
+    entries without a Fisher: buffers such as BatchNorm's running statistics). Computed in
     float64, returned in the weights' dtype, with the number of entries that fell back."""
     total = float(sum(num_examples))
     fedavg = weighted_average(weights, num_examples)
     merged, fallbacks = {}, 0
     for name, avg in fedavg.items():
+        if name not in fishers[0]:  # a buffer (running statistics): the FedAvg rule
+            merged[name] = avg
+            continue
         h = [np.asarray(f[name], dtype=np.float64) for f in fishers]
         h_sum = sum(h)
         numerator = sum(hi * w[name].astype(np.float64) for hi, w in zip(h, weights, strict=True))
@@ -91,7 +95,7 @@ class FisherMerge(FusionStrategy):
     def fisher(self, upload: ClientUpload, member: int) -> dict[str, np.ndarray]:
         """Member's summed GGN diagonal H per parameter (round-off negatives clipped to 0)."""
         spec = self.context.model_spec
-        shapes = dict(self.context.param_shapes(spec.name, spec.kwargs))
+        shapes = self.context.param_shapes(spec.name, spec.kwargs)
         curvature = curvature_from_arrays("diag", upload.members[member][SECTION], shapes,
                                           temperature=1.0, prior_var=1.0)
         assert isinstance(curvature, DiagCurvature)

@@ -52,6 +52,16 @@ Departures, all documented choices:
   number of new neurons at 700 - L).
 * Clients may have different widths (the same depth and bias); M > 1 members are matched
   index by index, as FedAvg does, into an ensemble.
+
+What PFNM takes: MLPs, i.e. the zoo's ``mlp`` (``ModelSpec("mlp", input_shape, num_classes,
+{"hidden_layers": ..., "hidden": ..., "bias": ...})``): a chain of Linear layers joined by
+ReLU, after a Flatten; every layer with a bias (as the paper's networks) or every layer
+without. Matching permutes hidden neurons, so every parameter must be a neuron's weight or
+bias: no normalisation layers (BatchNorm/LayerNorm carry per-channel parameters and running
+statistics outside that model), no convolutions, no residual connections. Any other
+architecture is refused when the strategy is built, naming the model's first module that is
+not a Linear/ReLU/Flatten layer; such models fuse with FedAvg (``fedavg``),
+AdaptiveModelSelection (``ams``) or the ensemble (``ensemble``) instead.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
@@ -72,6 +83,48 @@ from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.otfusion import Layer, layer_chain
 
 log = logging.getLogger("fedfusion")
+
+#: the modules of an MLP that PFNM matches
+MLP_MODULES = (nn.Linear, nn.ReLU, nn.Flatten)
+#: what PFNM takes, for its refusals
+TAKES = ("pfnm matches MLPs only: a chain of Linear layers joined by ReLU (every layer with a "
+         "bias, or none), no normalisation layers, no convolutions")
+#: what to use instead
+ALTERNATIVES = ("fuse this model with another strategy, e.g. FedAvg ('fedavg'), "
+                "AdaptiveModelSelection ('ams') or the ensemble ('ensemble')")
+
+
+def first_non_mlp_module(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module of ``model`` (in ``named_modules`` order) that is not one of
+    :data:`MLP_MODULES`, among the leaves and the modules holding parameters or buffers of
+    their own (containers are skipped); None if there is none."""
+    for name, module in model.named_modules():
+        holds = (next(module.parameters(recurse=False), None) is not None
+                 or next(module.buffers(recurse=False), None) is not None)
+        leaf = next(module.children(), None) is None
+        if (leaf or holds) and not isinstance(module, MLP_MODULES):
+            return name, module
+    return None
+
+
+def not_an_mlp(spec: ModelSpec) -> str:
+    """Why ``spec`` is no model PFNM can match: what PFNM takes, the first module that is not
+    an MLP layer, and the alternatives."""
+    try:
+        with torch.device("meta"):
+            found = first_non_mlp_module(spec.build())
+    except Exception as exc:  # a model that cannot be built here: say so, name nothing
+        return f"{TAKES}; the model {spec.name!r} could not be inspected ({exc}); {ALTERNATIVES}"
+    if found is None:
+        what = ("its modules are Linear/ReLU/Flatten layers, but pfnm builds the fused (wider) "
+                "model as fedfusion's zoo MLP: give the strategy ModelSpec('mlp', input_shape, "
+                "num_classes, {'hidden_layers': ..., 'hidden': ..., 'bias': ...})")
+    else:
+        name, module = found
+        where = f"module {name!r}" if name else "the model itself"
+        what = (f"its first module that is not a Linear/ReLU layer is {where} "
+                f"({type(module).__name__})")
+    return f"{TAKES}; the model {spec.name!r} is not one: {what}; {ALTERNATIVES}"
 
 
 @dataclass
@@ -242,8 +295,7 @@ class PFNM(FusionStrategy):
         super().__init__(model_fn, **kwargs)
         context = self.context
         if context.model_spec.name != "mlp":
-            raise ValueError(f"pfnm matches MLPs only; the run's model is "
-                             f"{context.model_spec.name!r}: set model=mlp")
+            raise ValueError(not_an_mlp(context.model_spec))
         if min(sigma, sigma0, gamma) <= 0 or iters < 0:
             raise ValueError("pfnm needs sigma, sigma0, gamma > 0 and iters >= 0")
         self.sigma, self.sigma0, self.gamma, self.iters = sigma, sigma0, gamma, iters
@@ -259,8 +311,8 @@ class PFNM(FusionStrategy):
     def _check_architecture(self, upload: ClientUpload) -> None:
         """Any MLP of the server's depth and bias setting; widths may differ."""
         if upload.model != "mlp":
-            raise UploadError(upload.client_id, f"model {upload.model!r} is not an mlp; "
-                              "pfnm matches MLPs only")
+            raise UploadError(upload.client_id, f"model {upload.model!r} is not the zoo's "
+                              f"mlp; {TAKES}")
         chain = self._layers(upload.model, upload.model_kwargs)
         ours = [(layer.bias is not None) for layer in self._chain]
         theirs = [(layer.bias is not None) for layer in chain]

@@ -18,8 +18,22 @@ Details and departures from the reference code (Jin et al.'s and the FedFisher/F
 * Conv layers are merged too, as the linear maps of their unfolded input patches
   (W viewed as ``[out, c*kh*kw]``); the reference copies fall back to a plain mean for them.
 * A layer with a bias merges ``[W | b]`` with the Gram of the inputs augmented by a constant 1
-  (our bias-free LeNet/CNN have none); parameters without a Gram (none in our model zoo)
-  get the sample-weighted average (FedAvg).
+  (our bias-free LeNet/CNN have none).
+* Which entries are Linear/Conv2d layers is read from the MODULE TYPES of the server's model
+  (built once on the meta device: :func:`fedfusion.gram.model_gram_sizes`), not guessed from
+  shapes; every upload's ``gram`` section must hold exactly one Gram per such layer, of the
+  module's size (:meth:`RegMean.check_grams`, on top of the ``gram`` section's validator,
+  which is as exact when the server's shapes know the module types and otherwise only bounds
+  the names by the shape rule: see :mod:`fedfusion.gram`).
+* Everything else in the state dict is merged by the sample-weighted average
+  ``sum_i n_i v_i / sum_i n_i`` (n_i = the client's examples;
+  :func:`~fedfusion.strategies.fedavg.weighted_average`, which takes integer entries such as
+  BatchNorm's ``num_batches_tracked`` from the client with the most examples instead): the
+  affine parameters of BatchNorm/LayerNorm/GroupNorm, BatchNorm's running statistics,
+  embeddings, and any other parameter or buffer. RegMean's objective is defined for linear
+  maps only; the paper, too, averages its transformers' other weights (embeddings, LayerNorm)
+  plainly. The running statistics so averaged are not those of the merged network's
+  own activations; recalibrating them on server data is not RegMean's business.
 * ``regmean_alpha`` is a comma list: with a server validation set the strategy fuses with each
   alpha and keeps the best validation accuracy (all are reported); without one it uses the
   LAST value. Since sum_i G~_i and sum_i G~_i W_i^T are linear in alpha, the client sums are
@@ -36,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,8 +60,8 @@ from torch import nn
 import fedfusion.uploads  # noqa: F401  (registers the "gram" upload section's validator)
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import evaluate
-from fedfusion.gram import expected_gram_sizes
-from fedfusion.payload import WEIGHTS, ClientUpload
+from fedfusion.gram import check_gram_names, gram_layers, model_gram_sizes
+from fedfusion.payload import WEIGHTS, ClientUpload, UploadError
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
@@ -76,12 +90,14 @@ def parse_alphas(text: str) -> list[float]:
 class LayerSums:
     """One layer's client sums: S = sum_i G_i, R = sum_i G_i W_i^T, D = sum_i diag(G_i) W_i^T,
     so that for any alpha sum_i G~_i = alpha S + (1-alpha) diag(S) and
-    sum_i G~_i W_i^T = alpha R + (1-alpha) D. ``average`` is W_avg^T (FedAvg)."""
+    sum_i G~_i W_i^T = alpha R + (1-alpha) D. ``average`` is W_avg^T (FedAvg); ``bias`` the
+    layer's bias parameter (its last row of W^T), if it has one."""
 
     gram: torch.Tensor  # [n, n]
     cross: torch.Tensor  # [n, out]
     diag_cross: torch.Tensor  # [n, out]
     average: torch.Tensor  # [n, out]
+    bias: str | None = field(default=None)
 
     def solve(self, alpha: float) -> tuple[torch.Tensor, float]:
         """W*^T for this alpha, and the ridge used (0 when the system is regular)."""
@@ -112,7 +128,8 @@ def bias_name(weight_name: str) -> str:
 
 
 class RegMean(FusionStrategy):
-    """Gram-weighted least-squares merge of every layer; alpha chosen on validation.
+    """Gram-weighted least-squares merge of every Linear/Conv2d layer, the sample-weighted
+    average of every other state-dict entry; alpha chosen on validation.
 
     Parameters
     ----------
@@ -135,26 +152,59 @@ class RegMean(FusionStrategy):
             raise ValueError("RegMean needs at least one alpha")
         self.alphas = [float(a) for a in alphas]
         self._report: dict[str, Any] = {}
+        self._layers: dict[str, tuple[int, str | None]] | None = None
+
+    # ------------------------------------------------------------------ layers
+    def linear_layers(self) -> dict[str, tuple[int, str | None]]:
+        """Every Linear/Conv2d weight of the server's model -> (Gram side, its bias parameter
+        or None), from the module types (the model built once, on the meta device)."""
+        if self._layers is None:
+            with torch.device("meta"):
+                model = self.context.model_spec.build()
+            sizes = model_gram_sizes(model)
+            self._layers = {name: (sizes[name], bias_name(name) if module.bias is not None
+                                   else None)
+                            for name, module in gram_layers(model).items()}
+        return self._layers
+
+    def check_grams(self, upload: ClientUpload) -> None:
+        """Every member's ``gram`` section holds exactly one Gram per Linear/Conv2d weight of
+        the model, of the module's size (names and shapes; the values are the section
+        validator's, and a missing or malformed section is :func:`validate_upload`'s to
+        report). Raises :class:`UploadError`."""
+        sizes = {name: size for name, (size, _) in self.linear_layers().items()}
+        members = upload.members if isinstance(upload.members, list) else []
+        for m, member in enumerate(members):
+            arrays = member.get(GRAM) if isinstance(member, dict) else None
+            if not isinstance(arrays, dict):
+                continue
+            try:
+                check_gram_names(arrays, sizes)
+            except (ValueError, TypeError) as exc:
+                raise UploadError(upload.client_id, f"member {m} section {GRAM!r}: {exc}"
+                                  ) from exc
+
+    def _check_architecture(self, upload: ClientUpload) -> None:
+        """The server's architecture (as every strategy), then :meth:`check_grams`."""
+        super()._check_architecture(upload)
+        self.check_grams(upload)
 
 
     # ------------------------------------------------------------------ math
     def layer_sums(self, uploads: Sequence[ClientUpload], member: int
                    ) -> tuple[dict[str, LayerSums], dict[str, np.ndarray]]:
-        """Client sums of every Gram-covered layer of member ``member``, and the
-        sample-weighted average of all parameters (the fallback)."""
-        spec = self.context.model_spec
-        shapes = dict(self.context.param_shapes(spec.name, spec.kwargs))
-        sizes = expected_gram_sizes(shapes)
+        """Client sums of every Linear/Conv2d layer of member ``member``, and the
+        sample-weighted average of the whole state dict (what every other entry keeps)."""
         holders = [u for u in uploads if u.num_members > member]
         counts = [float(u.num_examples) for u in holders]
         average = weighted_average([u.weights(member) for u in holders], counts)
         device, f64 = self.context.device, torch.float64
         sums = {}
-        for name, size in sizes.items():
-            with_bias = size == int(np.prod(shapes[name][1:])) + 1
+        for name, (size, bias) in self.linear_layers().items():
+            with_bias = bias is not None
             avg = torch.from_numpy(as_matrix(average, name, with_bias).T.copy()).to(device)
             layer = LayerSums(torch.zeros(size, size, dtype=f64, device=device),
-                              torch.zeros_like(avg), torch.zeros_like(avg), avg)
+                              torch.zeros_like(avg), torch.zeros_like(avg), avg, bias)
             for upload in holders:
                 gram = torch.from_numpy(upload.members[member][GRAM][name]).to(device, f64)
                 w_t = torch.from_numpy(as_matrix(upload.weights(member), name, with_bias).T
@@ -174,8 +224,8 @@ class RegMean(FusionStrategy):
             w_t, ridges[name] = layer.solve(alpha)
             w = w_t.T.cpu().numpy()
             shape = average[name].shape
-            if w.shape[1] == int(np.prod(shape[1:])) + 1:  # [W | b]
-                merged[bias_name(name)] = w[:, -1].astype(average[bias_name(name)].dtype)
+            if layer.bias is not None:  # [W | b]
+                merged[layer.bias] = w[:, -1].astype(average[layer.bias].dtype)
                 w = w[:, :-1]
             merged[name] = w.reshape(shape).astype(average[name].dtype)
         return merged, ridges

@@ -49,8 +49,14 @@ class ServerOptimiser:
                  context: FusionContext) -> list[dict[str, torch.Tensor]]:
         """Return each run's best iterate (CPU tensors) after ``steps`` steps."""
         device, runs = context.device, len(starts)
+        # the objective moves the parameters; buffers (running statistics, counters) stay as
+        # each start has them (the strategy's normalisation-statistics rule decides them)
+        parameters = set(context.model_spec.param_shapes().parameters)
         w = {name: torch.tensor(np.stack([s[name] for s in starts]), dtype=self.dtype,
-                                device=device, requires_grad=True) for name in starts[0]}
+                                device=device, requires_grad=True)
+             for name in starts[0] if name in parameters}
+        buffers = [{name: torch.as_tensor(s[name]) for name in s if name not in parameters}
+                   for s in starts]
         params = list(w.values())
         optimizer = (torch.optim.Adam(params, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
                      if self.optimizer == "adam" else torch.optim.SGD(params, lr=self.lr))
@@ -67,7 +73,7 @@ class ServerOptimiser:
                     f"[{self.label}] the objective is not finite at step {step} in run(s) {bad}: "
                     "an upload with extreme weights or curvature, or a step size that diverges")
             if step % self.eval_every == 0 or step == self.steps:
-                scores = self.score(net, w, value.detach(), context)
+                scores = self.score(net, w, value.detach(), context, buffers)
                 for r, score in enumerate(scores):
                     if score > best_score[r]:
                         best_score[r] = score
@@ -84,11 +90,12 @@ class ServerOptimiser:
                 clip_per_run(w, self.clip)
             optimizer.step()
         self.best_scores = best_score
-        return [{k: v.cpu() for k, v in b.items()} for b in best]
+        return [{**{k: v.cpu() for k, v in b.items()}, **buffers[r]} for r, b in enumerate(best)]
 
     @torch.no_grad()
     def score(self, net: nn.Module, w: dict[str, torch.Tensor], objective: torch.Tensor,
-              context: FusionContext) -> list[tuple[float, float]]:
+              context: FusionContext, buffers: Sequence[dict[str, torch.Tensor]] = ()
+              ) -> list[tuple[float, float]]:
         """Per run, higher is better: (val accuracy, -val NLL), or (objective, 0)."""
         val = context.val
         if val is None:
@@ -96,7 +103,10 @@ class ServerOptimiser:
         x = val.x.to(context.device)
         scores = []
         for r in range(objective.shape[0]):
-            logits = functional_call(net, {k: v[r] for k, v in w.items()}, (x,))
+            state = {k: v[r] for k, v in w.items()}
+            if buffers:
+                state.update({k: v.to(context.device) for k, v in buffers[r].items()})
+            logits = functional_call(net, state, (x,))
             metrics = classification_metrics(torch.log_softmax(logits, -1).float().cpu(), val.y)
             scores.append((metrics["accuracy"], -metrics["nll"]))
         return scores

@@ -21,10 +21,35 @@ Where this departs from, or fills in, the paper:
   ``(sum_n r_{n,l}) W_{S,l}``. After this normalisation ``M_l`` cancels: the weights are
   ``Gd_{n,l} s_n / sum_k Gd_{k,l} s_k``; ``r`` is kept in :meth:`report` as the paper's
   normalised score.
-* A layer is one tensor of the state dict: a weight and its bias get separate weights (the
-  zoo's LeNet and CNN have no biases).
-* Where every client's ``Gd`` of a layer is 0 (``M_l = 0``: tensors with fewer than 4 or
-  constant entries), ``r = 1``: the plain (or size-weighted) average.
+* A layer is one PARAMETER tensor of the state dict: a weight and its bias get separate
+  weights (the zoo's LeNet and CNN have no biases).
+* Where every client's ``Gd`` of a layer is 0 (``M_l = 0``), ``r = 1``: the plain (or
+  size-weighted) average.
+
+Normalisation layers and buffers (the rule). An upload's weights are the member's whole
+``state_dict``: parameters and buffers (BatchNorm's ``running_mean``, ``running_var`` and the
+integer ``num_batches_tracked``). Which entry is a parameter and which a buffer, and which
+module a buffer belongs to, is read from the server's model (built on the meta device).
+
+* Every parameter gets Gaussianity weights as above, those of normalisation layers
+  (BatchNorm/LayerNorm ``weight`` and ``bias``: 1-D, one entry per channel, near 1 or 0)
+  included: the distances are shift and scale invariant, so a near-constant tensor is
+  measured by the shape of its deviations, like any layer.
+* Where the distance is undefined for ANY client's tensor of a layer
+  (:func:`fedfusion.gaussianity.is_degenerate`: fewer than 4 entries, e.g. a LayerNorm over 3
+  features, or constant up to float32 rounding, e.g. a bias still at its zero init), the
+  whole layer is the size-weighted average (``r = 1`` for every client). Scoring such a
+  tensor 0 would read "undefined" as "Gaussian" and give that client's layer weight 0 next
+  to any client whose tensor has a distance.
+* A buffer is not a weight and has no Gaussianity weight of its own (running variances are
+  positive, counters are counts): it takes the weights ``a_{n,l}`` of the layer it belongs
+  to, its module's ``weight`` parameter (``bn.running_mean`` and ``bn.running_var`` are
+  averaged with ``bn.weight``'s weights), else the module's first parameter, else (a module
+  without parameters, e.g. BatchNorm with ``affine=False``) the size weights
+  ``s_n / sum_k s_k``.
+* Float buffers are averaged with those weights; integer buffers (``num_batches_tracked``)
+  are not averaged: :func:`~fedfusion.strategies.fedavg.weighted_average` takes every
+  non-float entry from the client with the largest weight (here: of the buffer's layer).
 * The paper's server knows nothing of the clients' data (Table I: "all clients are treated
   equally"), so size weighting is off by default; ``swa-distance=uniform`` sets ``Gd = 1``,
   which is the paper's "simple averaging" baseline (FedAvg with size weighting) in the
@@ -33,14 +58,15 @@ Where this departs from, or fills in, the paper:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.gaussianity import DISTANCES, gaussianity_distance
+from fedfusion.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
 from fedfusion.payload import ClientUpload, NumpyDict
 from fedfusion.strategies.fedavg import FedAvg, weighted_average
 
@@ -48,21 +74,50 @@ from fedfusion.strategies.fedavg import FedAvg, weighted_average
 SWA_DISTANCES = (*DISTANCES, "uniform")
 
 
-def gaussianity_scores(arrays: Sequence[NumpyDict], distance: str, seed: int = 0
-                       ) -> dict[str, np.ndarray]:
-    """``Gd_{n,l}`` (Eq. 6) per parameter name: one value per client."""
+def gaussianity_scores(arrays: Sequence[NumpyDict], distance: str, seed: int = 0,
+                       names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """``Gd_{n,l}`` (Eq. 6) per tensor name (``names``, default every entry of ``arrays[0]``):
+    one value per client, NaN where that client's tensor has no defined distance
+    (:func:`~fedfusion.gaussianity.is_degenerate`); all ones for ``uniform``."""
     if distance not in SWA_DISTANCES:
         raise ValueError(f"unknown swa-distance {distance!r}; choose one of "
                          f"{', '.join(SWA_DISTANCES)}")
-    return {name: np.array([1.0 if distance == "uniform"
-                            else gaussianity_distance(a[name], distance, seed) for a in arrays])
-            for name in arrays[0]}
+
+    def score(x: np.ndarray) -> float:
+        if distance == "uniform":
+            return 1.0
+        if is_degenerate(x):
+            return float("nan")
+        return gaussianity_distance(x, distance, seed)
+
+    return {name: np.array([score(a[name]) for a in arrays])
+            for name in (arrays[0] if names is None else names)}
 
 
 def normalised_scores(scores: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``r_{n,l} = Gd_{n,l} / M_l`` (Eq. 7); all ones for a layer whose maximum is 0."""
-    return {name: gd / gd.max() if gd.max() > 0 else np.ones_like(gd)
+    """``r_{n,l} = Gd_{n,l} / M_l`` (Eq. 7); all ones (the size-weighted average) for a layer
+    whose maximum is 0 or whose distance is undefined (NaN) for some client."""
+    return {name: gd / gd.max() if not np.isnan(gd).any() and gd.max() > 0
+            else np.ones_like(gd, dtype=np.float64)
             for name, gd in scores.items()}
+
+
+def buffer_owners(model: nn.Module) -> dict[str, str | None]:
+    """Every buffer of ``model``'s ``state_dict`` -> the parameter whose layer weights it
+    takes: its module's ``weight``, else the module's first parameter, else None (a module
+    without parameters). Parameters are not keys."""
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    owners: dict[str, str | None] = {}
+    for name in model.state_dict():
+        if name in parameters:
+            continue
+        prefix, _, _ = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        own = [f"{prefix}.{p}" if prefix else p
+               for p, _ in module.named_parameters(recurse=False)]
+        weight = f"{prefix}.weight" if prefix else "weight"
+        owners[name] = weight if weight in own else (own[0] if own else None)
+    return owners
 
 
 def layer_weights(scores: dict[str, np.ndarray], sizes: Sequence[float] | None = None
@@ -104,20 +159,49 @@ class StatisticalWeightAggregation(FedAvg):
         self.distance = distance
         self.size_weighting = size_weighting
         self._last: dict[str, Any] = {}
+        self._owners: dict[str, str | None] | None = None
 
+
+    def buffer_layers(self) -> dict[str, str | None]:
+        """:func:`buffer_owners` of the server's model (built once, on the meta device)."""
+        if self._owners is None:
+            with torch.device("meta"):
+                self._owners = buffer_owners(self.context.model_spec.build())
+        return self._owners
+
+    def entry_weights(self, holders: Sequence[ClientUpload], member: int
+                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``Gd_{n,l}`` of every parameter and the weights ``a_{n,l}`` of every state-dict
+        entry (a buffer: its layer's; see the module docstring) of member ``member``."""
+        arrays = [u.weights(member) for u in holders]
+        sizes = [u.num_examples for u in holders] if self.size_weighting else None
+        owners = self.buffer_layers()
+        scores = gaussianity_scores(arrays, self.distance, self.context.seed,
+                                    [n for n in arrays[0] if n not in owners])
+        weights = layer_weights(scores, sizes)
+        by_size = layer_weights({"": np.ones(len(holders))}, sizes)[""]
+        for name in arrays[0]:
+            if name not in weights:
+                owner = owners.get(name)
+                weights[name] = weights[owner] if owner in weights else by_size
+        return scores, weights
 
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
-        arrays = [u.weights(member) for u in holders]
-        scores = gaussianity_scores(arrays, self.distance, self.context.seed)
-        weights = layer_weights(scores, [u.num_examples for u in holders]
-                                if self.size_weighting else None)
+        scores, weights = self.entry_weights(holders, member)
         if member == 0:
+            owners = self.buffer_layers()
             self._last = {"clients": [u.client_id for u in holders],
-                          "gd": {k: v.tolist() for k, v in scores.items()},
-                          "weights": {k: v.tolist() for k, v in weights.items()}}
-        return weighted_average(arrays, weights)
+                          "gd": {k: [None if np.isnan(v) else float(v) for v in gd]
+                                 for k, gd in scores.items()},
+                          "weights": {k: v.tolist() for k, v in weights.items()},
+                          "undefined": sorted(k for k, gd in scores.items()
+                                              if np.isnan(gd).any()),
+                          "buffers": {k: owners.get(k) for k in weights if k not in scores}}
+        return weighted_average([u.weights(member) for u in holders], weights)
 
     def report(self) -> dict[str, Any]:
-        """The last fusion's ``Gd`` and layer weights of member 0, per client."""
+        """The last fusion's ``Gd`` (None: undefined) of every parameter and the weights of
+        every state-dict entry of member 0, per client; the parameters whose distance was
+        undefined for some client (size-weighted average); each buffer's layer."""
         return {"distance": self.distance, "size_weighting": self.size_weighting,
                 **self._last}

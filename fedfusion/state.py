@@ -1,0 +1,159 @@
+"""A network's ``state_dict`` as fedfusion sees it: which entries are parameters and which are
+buffers, their dtypes, and which module owns each parameter; and the exact conversion of a
+``state_dict`` to the numpy arrays that travel in uploads and broadcasts.
+
+Every entry round-trips exactly (:func:`state_arrays` -> :func:`load_state_arrays`): 0-d
+tensors stay 0-d, integer counters (BatchNorm's ``num_batches_tracked``), bool and uint8
+buffers keep their dtype, float16 stays float16. numpy has no bfloat16, so a bfloat16 entry
+travels as float32 (every bfloat16 value is a float32 value, so nothing is lost) and is cast
+back to bfloat16 when loaded into the network, whose dtype the receiver knows from its own
+``model_fn()``.
+
+:class:`StateLayout` is what a server knows of an architecture without any client's word:
+built from ``model_fn()`` on the meta device (no memory), it maps every ``state_dict`` name to
+its shape (so it is a drop-in ``{name: shape}`` mapping) and says, besides, which names are
+parameters (what curvature covers and what optimisers move) and which are buffers (running
+statistics and counters, governed by each strategy's normalisation-statistics rule), and
+which parameters belong to ``nn.Linear`` / ``nn.Conv2d`` modules (Kronecker-factored curvature
+and Gram matrices apply to those; every other parameterised module, e.g. BatchNorm,
+LayerNorm, GroupNorm, Embedding or a user's own layer, gets a diagonal block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+NumpyDict = dict[str, np.ndarray]
+
+#: torch dtypes a state entry may have, and the numpy dtype each travels as
+WIRE_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float64: np.dtype(np.float64),
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.float32),  # exact: bfloat16 is a subset of float32
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.int16: np.dtype(np.int16),
+    torch.int8: np.dtype(np.int8),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+#: modules whose weight (and bias) get Kronecker-factored curvature and a Gram matrix
+KRON_MODULES = (nn.Linear, nn.Conv2d)
+
+
+def wire_dtype(dtype: torch.dtype, name: str = "") -> np.dtype:
+    """The numpy dtype a state entry of ``dtype`` travels as; ValueError for others (complex,
+    float8 ...)."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"state entry {name!r} has dtype {dtype}, which fedfusion does not "
+                         f"transport (supported: {sorted(str(d) for d in WIRE_DTYPES)})")
+    return WIRE_DTYPES[dtype]
+
+
+def state_arrays(state: Mapping[str, torch.Tensor] | nn.Module) -> NumpyDict:
+    """A ``state_dict`` (or a module's) as numpy arrays of the wire dtype, same shapes
+    (0-d stays 0-d), sharing no memory with the tensors."""
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    arrays = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        arrays[name] = tensor.to(_torch_dtype(wire_dtype(tensor.dtype, name))).numpy().copy()
+    return arrays
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+def load_state_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray | torch.Tensor],
+                      strict: bool = True) -> nn.Module:
+    """Load wire arrays into ``model``: each is cast to the dtype of the model's own entry
+    (bfloat16 back from float32, an average back to an integer counter), and shapes must
+    match exactly (``load_state_dict``'s checks)."""
+    own = model.state_dict()
+    state = {}
+    for name, value in arrays.items():
+        tensor = torch.as_tensor(value)
+        if name in own:
+            tensor = tensor.to(own[name].dtype)
+        state[name] = tensor
+    model.load_state_dict(state, strict=strict)
+    return model
+
+
+@dataclass(frozen=True)
+class StateLayout(Mapping[str, tuple[int, ...]]):
+    """``{name: shape}`` of a network's ``state_dict``, plus what each entry is.
+
+    ``parameters``: names of ``named_parameters()`` (in that order); ``buffers``: the other
+    entries; ``dtypes``: each entry's torch dtype; ``kron``: the parameters owned by an
+    ``nn.Linear`` or ``nn.Conv2d`` (see :data:`KRON_MODULES`); ``owners``: parameter name ->
+    the class name of the module that owns it (for messages)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    parameters: tuple[str, ...]
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    kron: frozenset[str] = frozenset()
+    owners: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StateLayout:
+        """The layout of ``model`` (any device, the meta device included)."""
+        state = model.state_dict()
+        parameters = tuple(name for name, _ in model.named_parameters())
+        kron, owners = set(), {}
+        for module_name, module in model.named_modules():
+            for param_name, _ in module.named_parameters(recurse=False):
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                owners[full] = type(module).__name__
+                if isinstance(module, KRON_MODULES):
+                    kron.add(full)
+        return cls({name: tuple(t.shape) for name, t in state.items()},
+                   tuple(p for p in parameters if p in state),
+                   {name: t.dtype for name, t in state.items()}, frozenset(kron), owners)
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """The ``state_dict`` entries that are not parameters (running statistics, counters)."""
+        params = set(self.parameters)
+        return tuple(name for name in self.shapes if name not in params)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of the parameters alone: what curvature sections cover."""
+        return {name: self.shapes[name] for name in self.parameters}
+
+    def wire_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype entry ``name`` travels as."""
+        return wire_dtype(self.dtypes[name], name)
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def parameter_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The parameters' shapes of a :class:`StateLayout`; a plain ``{name: shape}`` mapping is
+    taken to hold parameters only (callers that know no model, e.g. unit tests)."""
+    if isinstance(shapes, StateLayout):
+        return shapes.parameter_shapes()
+    return {name: tuple(shape) for name, shape in shapes.items()}
+
+
+def kron_parameters(shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+    """The parameters that get Kronecker factors: a layout's ``kron``; for a plain mapping,
+    every parameter (today's structure for the papers' all-Linear/Conv2d networks)."""
+    if isinstance(shapes, StateLayout):
+        return shapes.kron
+    return frozenset(shapes)
