@@ -49,8 +49,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from fedfusion.im2col import patch_rows, unsupported_conv
 from fedfusion.payload import check_array_names
 
 #: relative asymmetry ``max|G - G^T| / max diag(G)`` above which a Gram is refused
@@ -89,13 +89,10 @@ def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.T
     """The rows the layer's weight multiplies: ``[rows, in (+1 with a bias)]``, in the
     inputs' dtype."""
     if isinstance(module, nn.Conv2d):
-        if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding,
-                                                                              str):
+        if unsupported_conv(module):
             raise ValueError(f"gram: conv layer {module} (groups / padding mode / string "
                              "padding) is not supported")
-        patches = F.unfold(inputs, module.kernel_size, dilation=module.dilation,
-                           padding=module.padding, stride=module.stride)  # [B, c*k*k, L]
-        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        rows = patch_rows(module, inputs)  # [B L, c*k*k]
     else:
         rows = inputs.reshape(-1, inputs.shape[-1])
     if module.bias is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from fedfusion.app.config import Settings
 from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
 
-__all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid", "initial_models"]  # tests import them from here
+__all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid", "initial_models", "label_skewed_fmnist", "sgd"]
+# (tests import them from here)
 
 #: limit of one `flwr run` launched by a test: a run here takes 10-60 s; a hung simulation
 #: (seen once, while another process started its own Ray cluster at the same moment) fails
@@ -29,3 +32,35 @@ def initial_models(spec, num_members: int, seed: int) -> list:
     from fedfusion.strategies import FedAvg
 
     return FedAvg(spec, num_members=num_members, seed=seed).initial_models()
+
+
+def label_skewed_fmnist(rows: int, val_size: int, test_rows: int
+                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """3 label-skewed clients of ``rows`` real FMNIST rows each ("client0".."client2": labels
+    0-5, 4-9 and the even ones + 9), ``val_size`` validation and ``test_rows`` test rows."""
+    from fedfusion.datasets import load_dataset
+
+    bundle = load_dataset("fmnist", val_size=val_size, seed=0)
+    x, y = bundle.train.x, bundle.train.y
+    rng = np.random.default_rng(0)
+    data = {}
+    for c, labels in enumerate([(0, 1, 2, 3, 4, 5), (4, 5, 6, 7, 8, 9), (0, 2, 4, 6, 8, 9)]):
+        chosen = rng.choice(np.flatnonzero(np.isin(y.numpy(), labels)), rows, replace=False)
+        data[f"client{c}"] = (x[chosen], y[chosen])
+    data["val"] = (bundle.val.x, bundle.val.y)
+    data["test"] = (bundle.test.x[:test_rows], bundle.test.y[:test_rows])
+    return data
+
+
+def sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int = 3,
+        seed: int = 0, batch_size: int = 64) -> None:
+    """A user's plain training loop: SGD with momentum in train mode, then eval mode."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.train()
+    for _ in range(epochs):
+        for batch in torch.randperm(len(y), generator=generator).split(batch_size):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+    model.eval()

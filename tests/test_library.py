@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import label_skewed_fmnist, sgd
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
@@ -19,7 +20,6 @@ from torch.nn import functional as F
 
 from fedfusion import ClientUpload, LocalGrid, client, evaluate
 from fedfusion.app.config import Settings
-from fedfusion.datasets import load_dataset
 from fedfusion.strategies import (
     STRATEGIES,
     AdaptiveModelSelection,
@@ -45,31 +45,10 @@ class UserNet(nn.Module):
         return self.fc2(F.relu(self.fc1(F.relu(self.conv(x)).flatten(1))))
 
 
-def sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int = 3, seed: int = 0
-        ) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(epochs):
-        for batch in torch.randperm(len(y), generator=generator).split(64):
-            optimizer.zero_grad()
-            F.cross_entropy(model(x[batch]), y[batch]).backward()
-            optimizer.step()
-    model.eval()
-
-
 @pytest.fixture(scope="module")
 def fmnist() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """3 label-skewed clients of 600 real FMNIST rows, 300 validation and 2,000 test rows."""
-    bundle = load_dataset("fmnist", val_size=300, seed=0)
-    x, y = bundle.train.x, bundle.train.y
-    rng = np.random.default_rng(0)
-    data = {}
-    for c, labels in enumerate([(0, 1, 2, 3, 4, 5), (4, 5, 6, 7, 8, 9), (0, 2, 4, 6, 8, 9)]):
-        rows = rng.choice(np.flatnonzero(np.isin(y.numpy(), labels)), 600, replace=False)
-        data[f"client{c}"] = (x[rows], y[rows])
-    data["val"] = (bundle.val.x, bundle.val.y)
-    data["test"] = (bundle.test.x[:2000], bundle.test.y[:2000])
-    return data
+    return label_skewed_fmnist(600, 300, 2000)
 
 
 def user_client_app(data: dict, seen: list | None = None) -> ClientApp:

@@ -209,6 +209,12 @@ def test_hybrid_fit_matches_brute_force_per_sample_gradients(net):
     torch.testing.assert_close(b, g.T @ g, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(a, inputs[0].T @ inputs[0] / len(x), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(factors[f"{last}.bias"][1], g.T @ g, rtol=1e-4, atol=1e-6)
+    if net is BNNet:  # a convolution's A: im2col patches over samples and positions
+        with torch.no_grad():
+            h = F.max_pool2d(F.relu(model.bn1(model.c1(x))), 2)
+        patches = F.unfold(h, 3, padding=1)  # [N, K, L]
+        expected = torch.einsum("nkl,njl->kj", patches, patches) / (len(x) * patches.shape[2])
+        torch.testing.assert_close(factors["c2.weight"][1], expected, rtol=1e-4, atol=1e-6)
     # K-FAC exactness check: the Kron block of the bias is its exact Fisher block
     bias_fisher = sum(torch.outer(gi, gi) for gi in g)
     torch.testing.assert_close(factors[f"{last}.bias"][1], bias_fisher, rtol=1e-4, atol=1e-6)
@@ -379,3 +385,16 @@ def test_load_state_arrays_casts_to_the_models_own_dtypes():
               for k, v in state_arrays(model).items()}
     load_state_arrays(model, arrays)
     assert model.brain.dtype == torch.bfloat16 and model.half_weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Conv2d(3, 4, (3, 2), dilation=2, padding=(1, 0)),
+    nn.Conv2d(3, 4, 1, stride=2), nn.Conv2d(3, 4, 5)])
+def test_patch_rows_are_the_im2col_patches(conv):
+    from fedfusion.im2col import patch_rows
+
+    x = torch.randn(2, 3, 9, 8)
+    unfolded = F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=conv.padding,
+                        stride=conv.stride)  # [B, K, L]
+    expected = unfolded.transpose(1, 2).reshape(-1, unfolded.shape[1])
+    torch.testing.assert_close(patch_rows(conv, x), expected, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
+from fedfusion.im2col import patch_rows, unsupported_conv
 from fedfusion.state import KRON_MODULES
 
 log = logging.getLogger("fedfusion")
@@ -46,19 +47,20 @@ Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 def check_kron_module(name: str, module: nn.Module) -> None:
     """Raise a ValueError naming a Linear/Conv2d the Kron factors below cannot describe."""
-    if isinstance(module, nn.Conv2d) and (
-            module.groups != 1 or module.padding_mode != "zeros"
-            or isinstance(module.padding, str)):
+    if isinstance(module, nn.Conv2d) and unsupported_conv(module):
         raise ValueError(
             f"Kron curvature: conv layer {name!r} ({module}) has groups, a padding mode or "
             "string padding the K-FAC patches do not describe; use hessian_structure='diag' "
             "(curvature-structure diag) for this model")
 
 
-def _patches(module: nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
-    """``[B, C kh kw, L]``: the im2col patches the weight multiplies."""
-    return F.unfold(inputs, module.kernel_size, dilation=module.dilation,
-                    padding=module.padding, stride=module.stride)
+def _gram_over_samples(per_sample: torch.Tensor) -> torch.Tensor:
+    """``sum_b M_b M_b^T`` of ``[B, O, L]`` matrices: one batched GEMM where its ``[B, O, O]``
+    result is small, else one GEMM over the flattened ``[O, B L]``."""
+    if per_sample.shape[0] * per_sample.shape[1] ** 2 <= 1 << 24:
+        return torch.bmm(per_sample, per_sample.transpose(1, 2)).sum(0)
+    flat = per_sample.transpose(0, 1).reshape(per_sample.shape[1], -1)
+    return flat @ flat.T
 
 
 def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
@@ -145,10 +147,9 @@ def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Modul
     if isinstance(module, nn.Conv2d):
         if inputs.ndim == 3:  # an unbatched [C, H, W] input
             inputs, g = inputs.unsqueeze(0), g.unsqueeze(0)
-        per_sample = g.reshape(g.shape[0], g.shape[1], -1)  # [B, O, L]
-        b = torch.einsum("bol,bpl->op", per_sample, per_sample)
-        patches = _patches(module, inputs)  # [B, K, L]
-        a = torch.einsum("bkl,bjl->kj", patches, patches) / patches.shape[2]
+        b = _gram_over_samples(g.reshape(g.shape[0], g.shape[1], -1))  # g: [B, O, Ho, Wo]
+        rows = patch_rows(module, inputs)  # [B L, K]
+        a = (rows.T @ rows) / (g.shape[2] * g.shape[3])
     else:
         g2, a2 = g.reshape(-1, g.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
         b, a = g2.T @ g2, a2.T @ a2
