@@ -398,3 +398,13 @@ def test_patch_rows_are_the_im2col_patches(conv):
                         stride=conv.stride)  # [B, K, L]
     expected = unfolded.transpose(1, 2).reshape(-1, unfolded.shape[1])
     torch.testing.assert_close(patch_rows(conv, x), expected, rtol=0, atol=0)
+
+
+def test_initial_models_leave_the_global_rng_alone_and_are_seeded():
+    rng = torch.get_rng_state()
+    first = FedAvg(BNNet, num_members=2, seed=3).initial_models()
+    assert torch.equal(torch.get_rng_state(), rng)
+    again = FedAvg(BNNet, num_members=2, seed=3).initial_models()
+    for a, b in zip(first, again, strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(first[0]["c1.weight"], first[1]["c1.weight"])

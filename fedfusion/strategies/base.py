@@ -342,15 +342,18 @@ class FusionStrategy(Strategy, ABC):
         """The M initial models the strategy broadcasts (FedBEns Algorithm 1, line 1), seeded
         by ``seed``: member m from ``torch.manual_seed(seed * 7919 + m)``, or with
         ``init_perturbation`` s > 0 member 0's init plus that seed's N(0, s^2) noise."""
-        models = []
-        for m in range(self.num_members):
-            torch.manual_seed(self.context.seed * 7919 + m)
-            if self.init_perturbation and m > 0:
-                models.append({k: (v + self.init_perturbation * torch.randn(
-                    v.shape, dtype=torch.float64).numpy()).astype(v.dtype)
-                    if v.dtype.kind == "f" else v.copy() for k, v in models[0].items()})
-                continue
-            models.append(state_arrays(self.context.model_spec.build()))
+        models: list[NumpyDict] = []
+        # a module's constructor draws from the global RNG: seeded inside a forked state, so
+        # the caller's RNG is left as it was
+        with torch.random.fork_rng(devices=[]):
+            for m in range(self.num_members):
+                torch.manual_seed(self.context.seed * 7919 + m)
+                if self.init_perturbation and m > 0:
+                    models.append({k: (v + self.init_perturbation * torch.randn(
+                        v.shape, dtype=torch.float64).numpy()).astype(v.dtype)
+                        if v.dtype.kind == "f" else v.copy() for k, v in models[0].items()})
+                    continue
+                models.append(state_arrays(self.context.model_spec.build()))
         return models
 
     def start(  # type: ignore[override]
