@@ -23,7 +23,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c "
   echo "setup: environment $VENV is up to date"
 else
   echo "setup: creating $VENV (torch + CUDA libraries are about 6 GB; a few minutes)"
-  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "fedfusion needs Python >= 3.10"'
+  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "fedfusion needs Python >= 3.11 (flwr 1.41 requires it)"'
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install "${PACKAGES[@]}"

@@ -1,9 +1,9 @@
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 from conftest import initial_models
 
 from fedfusion.app.config import ConfigError, Settings

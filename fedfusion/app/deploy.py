@@ -80,7 +80,7 @@ def write_tls_files(folder: Path, hosts: Sequence[str] = TLS_HOSTS, days: int = 
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
     until = now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedfusion local CA")])

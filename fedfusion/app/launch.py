@@ -33,9 +33,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.server_app import run_server
