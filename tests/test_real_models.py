@@ -68,6 +68,31 @@ class LNNet(nn.Module):
         return self.fc2(torch.tanh(self.ln(self.fc1(h))))
 
 
+class Scale(nn.Module):
+    """A user's own parameterised layer: a learned per-channel gain used directly."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain[:, None, None]
+
+
+class CustomNet(nn.Module):
+    """GroupNorm, a custom layer and an Embedding-free residual addition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.gn, self.scale = nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), Scale(4)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        h = F.max_pool2d(F.relu(self.scale(self.gn(h)) + h), 2)
+        return self.fc(h.flatten(1))
+
+
 class Buffers(nn.Module):
     """Every kind of state entry: a float16 and a bfloat16 parameter, a 0-d int64 counter, a
     bool mask and a uint8 table."""
@@ -176,18 +201,18 @@ def _sampled_targets(model: nn.Module, x: torch.Tensor, seed: int) -> torch.Tens
     return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
-@pytest.mark.parametrize("net", [BNNet, LNNet])
+@pytest.mark.parametrize("net", [BNNet, LNNet, CustomNet])
 def test_hybrid_fit_matches_brute_force_per_sample_gradients(net):
     """One batch: every diagonal block is sum_n g_n^2 of per-sample gradients at the sampled
     labels; the output layer's factors are B = sum_n (p_n - e_y)(p_n - e_y)^T and
     A = sum_n a_n a_n^T / N; computed here one sample at a time with autograd."""
     torch.manual_seed(1)
     model = _with_stats(net()) if net is BNNet else net().eval()
-    x = torch.randn(12, 1, 8, 8) if net is BNNet else torch.randn(12, 8)
+    x = torch.randn(12, 8) if net is LNNet else torch.randn(12, 1, 8, 8)
     factors, diagonals = hybrid_kron_fit(model, x, seed=5, batch_size=64)
     targets = _sampled_targets(model, x, 5)
     params = dict(model.named_parameters())
-    assert set(diagonals) == {n for n in params if n.startswith(("bn", "ln"))}
+    assert set(diagonals) == {n for n in params if n.startswith(("bn", "ln", "gn", "scale"))}
     assert set(factors) | set(diagonals) == set(params)
     brute = {n: torch.zeros_like(p) for n, p in params.items()}
     for xi, ti in zip(x, targets, strict=True):
@@ -198,7 +223,7 @@ def test_hybrid_fit_matches_brute_force_per_sample_gradients(net):
     model.zero_grad()
     for name, h in diagonals.items():
         torch.testing.assert_close(h, brute[name], rtol=1e-4, atol=1e-7)
-    last = "fc" if net is BNNet else "fc2"
+    last = "fc2" if net is LNNet else "fc"
     with torch.no_grad():
         g = torch.softmax(model(x), -1) - F.one_hot(targets, 3)
         inputs = []
@@ -408,3 +433,24 @@ def test_initial_models_leave_the_global_rng_alone_and_are_seeded():
     for a, b in zip(first, again, strict=True):
         assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(first[0]["c1.weight"], first[1]["c1.weight"])
+
+
+def test_a_custom_layer_model_fuses_through_the_wire_or_is_refused_naming_it():
+    """GroupNorm and a user's own layer: Kron + diagonal curvature through the wire into
+    FedBEns; OTFusion cannot align GroupNorm's groups and says so."""
+    from fedfusion.strategies import OTFusion
+
+    torch.manual_seed(6)
+    x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 3, (30,))
+    strategy = FedBEns(CustomNet, num_members=1, steps=5, val=(x, y))
+    records = []
+    for c in range(2):
+        model = CustomNet().eval()
+        records.append(encode_upload(client.make_upload(
+            [model], x, y, ["weights", "curvature.kron"], client_id=c, model_name="CustomNet")))
+    uploads = [decode_upload(r, c, strategy.context.param_shapes, strategy.required_sections)
+               for c, r in enumerate(records)]
+    assert "scale.gain/ggn_diag" in uploads[0].members[0]["curvature.kron"]
+    assert torch.isfinite(strategy.fuse_uploads(uploads)(x)).all()
+    with pytest.raises(ValueError, match=r"GroupNorm|'gn'"):
+        OTFusion(CustomNet).fuse_uploads(uploads)
