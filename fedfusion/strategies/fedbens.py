@@ -197,7 +197,8 @@ class FedBEns(FusionStrategy):
         # the same objective as self.objective, evaluated on the components that carry weight
         self.mixture = MixtureObjective(stacked, owner, num_clients, self.prior_var,
                                         self.prune_margin, self.refresh_every)
-        return self.optimiser.maximise(self.mixture, starts, self.context)
+        return self.optimiser.maximise(self.mixture, starts, self.context,
+                                       recalibrate_stats=self.norm_stats == "recalibrate")
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,

@@ -198,7 +198,8 @@ class FedFisher(FusionStrategy):
         log.info("[fedfisher] FedFisher (%s): %d run(s) x %d %s steps on %s",
                  VARIANTS[self.structure], problem.runs, self.optimiser.steps,
                  self.optimiser.optimizer, self.context.device)
-        return self.optimiser.maximise(lambda w: -problem.value(w), starts, self.context)
+        return self.optimiser.maximise(lambda w: -problem.value(w), starts, self.context,
+                                       recalibrate_stats=self.norm_stats == "recalibrate")
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "variant": VARIANTS[self.structure],

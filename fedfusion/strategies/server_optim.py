@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedfusion.evaluation import classification_metrics
+from fedfusion.normalization import recalibrate
 from fedfusion.strategies.base import FusionContext
 
 log = logging.getLogger("fedfusion")
@@ -46,8 +47,12 @@ class ServerOptimiser:
     best_scores: list[tuple[float, float]] = field(default_factory=list)
 
     def maximise(self, objective: Objective, starts: Sequence[dict[str, np.ndarray]],
-                 context: FusionContext) -> list[dict[str, torch.Tensor]]:
-        """Return each run's best iterate (CPU tensors) after ``steps`` steps."""
+                 context: FusionContext, recalibrate_stats: bool = False
+                 ) -> list[dict[str, torch.Tensor]]:
+        """Return each run's best iterate (CPU tensors) after ``steps`` steps.
+        ``recalibrate_stats``: every scored iterate gets BatchNorm statistics re-estimated on
+        the validation inputs first (the ``norm_stats="recalibrate"`` rule), so that the
+        model selection sees the statistics the chosen iterate will keep."""
         device, runs = context.device, len(starts)
         # the objective moves the parameters; buffers (running statistics, counters) stay as
         # each start has them (the strategy's normalisation-statistics rule decides them)
@@ -62,7 +67,7 @@ class ServerOptimiser:
                      if self.optimizer == "adam" else torch.optim.SGD(params, lr=self.lr))
         net = context.model_spec.build().to(device)
         best_score = [(-np.inf, -np.inf)] * runs
-        best = [{k: v[r].detach().clone() for k, v in w.items()} for r in range(runs)]
+        best = [self._snapshot(w, buffers, r) for r in range(runs)]
         self.trace = []
         for step in range(self.steps + 1):
             optimizer.zero_grad(set_to_none=True)
@@ -73,11 +78,12 @@ class ServerOptimiser:
                     f"[{self.label}] the objective is not finite at step {step} in run(s) {bad}: "
                     "an upload with extreme weights or curvature, or a step size that diverges")
             if step % self.eval_every == 0 or step == self.steps:
-                scores = self.score(net, w, value.detach(), context, buffers)
+                scores = self.score(net, w, value.detach(), context, buffers,
+                                    recalibrate_stats)
                 for r, score in enumerate(scores):
                     if score > best_score[r]:
                         best_score[r] = score
-                        best[r] = {k: v[r].detach().clone() for k, v in w.items()}
+                        best[r] = self._snapshot(w, buffers, r)
                 self.trace.append({"step": step, "objective": value.detach().cpu().tolist(),
                                    "score": [list(s) for s in scores]})
                 log.info("[%s] step %d/%d: objective %s | score %s", self.label, step,
@@ -90,13 +96,22 @@ class ServerOptimiser:
                 clip_per_run(w, self.clip)
             optimizer.step()
         self.best_scores = best_score
-        return [{**{k: v.cpu() for k, v in b.items()}, **buffers[r]} for r, b in enumerate(best)]
+        return [{k: v.cpu() for k, v in b.items()} for b in best]
+
+    @staticmethod
+    def _snapshot(w: dict[str, torch.Tensor], buffers: Sequence[dict[str, torch.Tensor]],
+                  run: int) -> dict[str, torch.Tensor]:
+        """Run ``run``'s current iterate: its parameters and the buffers scored with them."""
+        return {**{k: v[run].detach().clone() for k, v in w.items()},
+                **{k: v.clone() for k, v in buffers[run].items()}}
 
     @torch.no_grad()
     def score(self, net: nn.Module, w: dict[str, torch.Tensor], objective: torch.Tensor,
-              context: FusionContext, buffers: Sequence[dict[str, torch.Tensor]] = ()
-              ) -> list[tuple[float, float]]:
-        """Per run, higher is better: (val accuracy, -val NLL), or (objective, 0)."""
+              context: FusionContext, buffers: Sequence[dict[str, torch.Tensor]] = (),
+              recalibrate_stats: bool = False) -> list[tuple[float, float]]:
+        """Per run, higher is better: (val accuracy, -val NLL), or (objective, 0). With
+        ``recalibrate_stats`` each run's buffers are first re-estimated on the validation
+        inputs (and kept in ``buffers``)."""
         val = context.val
         if val is None:
             return [(float(v), 0.0) for v in objective]
@@ -106,6 +121,12 @@ class ServerOptimiser:
             state = {k: v[r] for k, v in w.items()}
             if buffers:
                 state.update({k: v.to(context.device) for k, v in buffers[r].items()})
+            if recalibrate_stats and buffers and buffers[r]:
+                net.load_state_dict(state)
+                recalibrate(net, x)
+                fresh = net.state_dict()
+                buffers[r].update({k: fresh[k].detach().cpu().clone() for k in buffers[r]})
+                state.update({k: fresh[k] for k in buffers[r]})
             logits = functional_call(net, state, (x,))
             metrics = classification_metrics(torch.log_softmax(logits, -1).float().cpu(), val.y)
             scores.append((metrics["accuracy"], -metrics["nll"]))
