@@ -151,8 +151,8 @@ class FusionStrategy(Strategy, ABC):
     config_keys: ClassVar[Mapping[str, str]] = {}
     #: True where the predictor keeps the client models whole (their own BatchNorm statistics)
     keeps_client_models: ClassVar[bool] = False
-    #: the ``norm_stats`` rule "auto" picks when a validation set is given (measured per
-    #: strategy: benchmarks/real_models.py)
+    #: the ``norm_stats`` rule "auto" picks when a validation set is given (benchmarks/
+    #: real_models.py replays FedAvg and FedBEns under both rules)
     default_norm_stats: ClassVar[str] = "recalibrate"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
