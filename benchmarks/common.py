@@ -34,3 +34,17 @@ def cell(values: list[float], paper: float | None = None) -> str:
     if paper is not None:
         text += f" [{paper:.2f}] {mean - paper:+.2f}"
     return text
+
+
+def section_mb(uploads_dir: str) -> dict[str, float]:
+    """Mean upload MB per member (over every client's members), per section."""
+    from fedfusion.upload_store import load_uploads
+
+    _, uploads, _ = load_uploads(uploads_dir, strict=True)
+    sizes: dict[str, list[float]] = {}
+    for upload in uploads:
+        for member in upload.members:
+            for section, arrays in member.items():
+                sizes.setdefault(section, []).append(
+                    sum(a.nbytes for a in arrays.values()) / 1e6)
+    return {s: statistics.mean(v) for s, v in sizes.items()}

@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, live_run
+from common import REPO, live_run, section_mb
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
-from fedfusion.upload_store import load_uploads  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "fedbens.json"
 
@@ -105,18 +104,6 @@ def summary(results: dict) -> dict:
                 "error": results.get("error")}
     return {"accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"],
             "server_s": results["timing"]["server_fuse_s"]}
-
-
-def section_mb(uploads_dir: str) -> dict[str, float]:
-    """Mean upload MB per client and member, per section."""
-    _, uploads, _ = load_uploads(uploads_dir, strict=True)
-    sizes: dict[str, list[float]] = {}
-    for upload in uploads:
-        for member in upload.members:
-            for section, arrays in member.items():
-                sizes.setdefault(section, []).append(
-                    sum(a.nbytes for a in arrays.values()) / 1e6)
-    return {s: statistics.mean(v) for s, v in sizes.items()}
 
 
 def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:

@@ -95,12 +95,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, live_run
+from common import REPO, live_run, section_mb
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
 from fedfusion.strategies import STRATEGIES  # noqa: E402
-from fedfusion.upload_store import load_uploads  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "real_models.json"
 README = REPO / "benchmarks" / "README.md"
@@ -288,18 +287,6 @@ def summary(method: str, results: dict) -> dict:
         out["dense_epochs"] = report.get("epochs")
         out["dense_s_per_iteration"] = report.get("seconds_per_iteration")
     return out
-
-
-def section_mb(uploads_dir: str) -> dict[str, float]:
-    """Mean upload MB per member, per section."""
-    _, uploads, _ = load_uploads(uploads_dir, strict=True)
-    sizes: dict[str, list[float]] = {}
-    for upload in uploads:
-        for member in upload.members:
-            for section, arrays in member.items():
-                sizes.setdefault(section, []).append(
-                    sum(a.nbytes for a in arrays.values()) / 1e6)
-    return {s: statistics.mean(v) for s, v in sizes.items()}
 
 
 def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
