@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +49,21 @@ def section_mb(uploads_dir: str) -> dict[str, float]:
                 sizes.setdefault(section, []).append(
                     sum(a.nbytes for a in arrays.values()) / 1e6)
     return {s: statistics.mean(v) for s, v in sizes.items()}
+
+
+def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
+    """The results of live run ``name`` once the live stage has written them (or its
+    ``<name>.live-error`` marker, where the live stage records a launch that failed)."""
+    done, failed = Path(out) / name / "results.json", Path(out) / f"{name}.live-error"
+    print(f"waiting for the live run {name} ...", flush=True)
+    while True:
+        if failed.is_file():
+            return {"status": "failed", "error": failed.read_text()}
+        if done.is_file():
+            try:
+                results = json.loads(done.read_text())
+            except json.JSONDecodeError:  # being written
+                results = {}
+            if results.get("status") in ("ok", "failed"):
+                return results
+        time.sleep(poll_s)

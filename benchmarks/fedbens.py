@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, live_run, section_mb
+from common import REPO, live_run, section_mb, wait_for_live
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
@@ -104,21 +104,6 @@ def summary(results: dict) -> dict:
                 "error": results.get("error")}
     return {"accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"],
             "server_s": results["timing"]["server_fuse_s"]}
-
-
-def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
-    """The results of live run ``name`` once the live stage has written them."""
-    done = Path(out) / name / "results.json"
-    print(f"waiting for the live run {name} ...", flush=True)
-    while True:
-        if done.is_file():
-            try:
-                results = json.loads(done.read_text())
-            except json.JSONDecodeError:  # being written
-                results = {}
-            if results.get("status") in ("ok", "failed"):
-                return results
-        time.sleep(poll_s)
 
 
 def staged_live(stage: str, out: str, name: str, run_config: str) -> dict | None:

@@ -95,7 +95,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, live_run, section_mb
+from common import REPO, live_run, section_mb, wait_for_live
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
@@ -287,23 +287,6 @@ def summary(method: str, results: dict) -> dict:
         out["dense_epochs"] = report.get("epochs")
         out["dense_s_per_iteration"] = report.get("seconds_per_iteration")
     return out
-
-
-def wait_for_live(out: str, name: str, poll_s: float = 10.0) -> dict:
-    """The results of live run ``name`` once the live stage has written them."""
-    done, failed = Path(out) / name / "results.json", Path(out) / f"{name}.live-error"
-    print(f"waiting for the live run {name} ...", flush=True)
-    while True:
-        if failed.is_file():
-            return {"status": "failed", "error": failed.read_text()}
-        if done.is_file():
-            try:
-                results = json.loads(done.read_text())
-            except json.JSONDecodeError:  # being written
-                results = {}
-            if results.get("status") in ("ok", "failed"):
-                return results
-        time.sleep(poll_s)
 
 
 def run_live(out: str, name: str, run_config: str) -> dict:
