@@ -28,8 +28,6 @@ from fedfusion.models import build_model
 from fedfusion.state import StateLayout, load_state_arrays
 
 ModelFn = Callable[..., nn.Module]
-#: parameter name -> shape, of a network's ``state_dict``
-ParamShapes = Mapping[str, tuple[int, ...]]
 
 
 class ModelSpec:

@@ -56,7 +56,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.constant import SType
 
-from fedfusion.state import StateLayout
+from fedfusion.state import WIRE_DTYPES, StateLayout
 
 SCHEMA = "fedfusion.upload"
 SCHEMA_VERSION = 1
@@ -119,7 +119,7 @@ SectionValidator = Callable[[Mapping[str, np.ndarray], ParamShapes], None]
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 #: dtypes of the ``weights`` section beyond floats: a ``state_dict``'s integer counters and
 #: bool / uint8 buffers (:mod:`fedfusion.state`); every other section holds floats only
-_STATE_DTYPES = (*_FLOAT_DTYPES, np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_)
+_STATE_DTYPES = tuple(dict.fromkeys(d.type for d in WIRE_DTYPES.values()))
 #: the dtype strings a wire Array may declare (``str(ndarray.dtype)`` and ``dtype.str``, in
 #: either byte order) -> the dtype; anything else is refused without being parsed
 _WIRE_DTYPES: dict[str, np.dtype] = {
