@@ -4,9 +4,9 @@ Trains M = 5 bias-free LeNet members exactly as a client does (``fedfusion.train
 train_members``, the stacked trainer: SGD 0.01 / 0.9, batch 64, 20 epochs) on 12,000 random
 FMNIST training samples, one thread; a member's training time is the stacked time / M. Then
 times the default Kron fit (``asdl_mc``, batch 256) of one member three ways, alternating:
-on the stacked trainer's layers (:mod:`fedfusion.curvature.fast_kron`, the default), through
+on the stacked trainer's layers (:mod:`fedfusion.accel.fast_kron`, the default), through
 laplace-torch with the batched ASDL convolution factors
-(:mod:`fedfusion.curvature.asdl_speedup`) and with ASDL's own functions; keeps the minimum
+(:mod:`fedfusion.accel.asdl_speedup`) and with ASDL's own functions; keeps the minimum
 over ``--repeats`` of each (the least disturbed time on a shared machine; training is timed
 as the fastest epoch x epochs for the same reason). All three give the same factors.
 
@@ -25,10 +25,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from asdl.operations.conv import Conv2d
 from curvature_backends import load_fmnist
 
-from fedfusion.curvature import DEFAULT_BACKEND, asdl_speedup, fast_kron, fit_curvature
+from fedfusion.accel import fast_kron
+from fedfusion.curvature import DEFAULT_BACKEND, fit_curvature
 from fedfusion.models import build_model
 from fedfusion.training import TrainConfig, train_members
 
@@ -54,7 +54,8 @@ def main() -> None:
         members.append(build_model("lenet", (1, 28, 28), 10))
     epoch_s = []
     for epoch in range(args.epochs):  # one epoch per call, to time each
-        stats = train_members(members, x, y, TrainConfig(epochs=1), list(range(epoch, epoch + 5)))
+        stats = train_members(members, x, y, TrainConfig(epochs=1), list(range(epoch, epoch + 5)),
+                              accelerate=True)
         epoch_s.append(sum(s.seconds for s in stats) / MEMBERS)  # per member
     train_s = min(epoch_s) * args.epochs
     print(f"LeNet member ({MEMBERS} stacked), {len(y)} samples, {args.epochs} epochs: "
@@ -62,27 +63,20 @@ def main() -> None:
           f"{sum(epoch_s):.1f} s)", flush=True)
     model = members[0]
 
-    assert asdl_speedup.install()
-    patched = {name: Conv2d.__dict__[name] for name in asdl_speedup.ORIGINAL}
     stacked_fit = fast_kron.kron_mc_factors
-    variants = {
-        "stacked-layer fit (default)": (stacked_fit, patched),
-        "laplace-torch, batched conv factors": (None, patched),
-        "laplace-torch, ASDL's own conv factors": (
-            None, {n: staticmethod(f) for n, f in asdl_speedup.ORIGINAL.items()}),
+    variants = {  # (the compiled fit or None, accelerate)
+        "stacked-layer fit (accelerate=True, the App's default)": (stacked_fit, True),
+        "laplace-torch, batched conv factors": (None, True),
+        "laplace-torch, ASDL's own conv factors (library default)": (None, False),
     }
     fit_s: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(args.repeats):
-        for label, (fast, functions) in variants.items():
-            for name, function in functions.items():
-                setattr(Conv2d, name, function)
+        for label, (fast, accelerate) in variants.items():
             fast_kron.kron_mc_factors = fast or (lambda *_args: None)
             start = time.perf_counter()
-            fit_curvature(model, x, y, "kron", backend=DEFAULT_BACKEND)
+            fit_curvature(model, x, y, "kron", backend=DEFAULT_BACKEND, accelerate=accelerate)
             fit_s[label].append(time.perf_counter() - start)
     fast_kron.kron_mc_factors = stacked_fit
-    for name, function in patched.items():
-        setattr(Conv2d, name, function)
 
     rows = [{"variant": label, "fit_s": min(times), "fit_s_all": times,
              "fit_over_train": min(times) / train_s} for label, times in fit_s.items()]

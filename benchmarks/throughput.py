@@ -48,7 +48,7 @@ from common import REPO
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedfusion import kernels
+from fedfusion.accel import kernels
 from fedfusion.models import build_model
 from fedfusion.training import TrainConfig, train_local, train_members
 
@@ -122,7 +122,7 @@ def run_variant(variant: str, name: str, shape: tuple[int, int, int], x: torch.T
             for model, seed in zip(models, seeds, strict=True):
                 train_local(model, x, y, CONFIG, seed)
         else:
-            train_members(models, x, y, CONFIG, seeds)
+            train_members(models, x, y, CONFIG, seeds, accelerate=True)
     finally:
         if previous is None:
             os.environ.pop(kernels.DISABLE_ENV, None)

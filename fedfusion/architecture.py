@@ -100,11 +100,16 @@ class ModelSpec:
         return self.model_fn is None
 
     def build(self, state: Mapping[str, np.ndarray | torch.Tensor] | None = None) -> nn.Module:
-        """A fresh network (in eval mode), loaded with ``state`` when given."""
-        if self.model_fn is None:
-            model = build_model(self.name, self.input_shape, self.num_classes, **self.kwargs)
-        else:
-            model = self.model_fn(**self.kwargs)
+        """A fresh network (in eval mode), loaded with ``state`` when given.
+
+        Its initial weights come from a fork of torch's global RNG: the caller's RNG does not
+        advance (the server builds networks only to load weights into them). Seed the global
+        RNG first for a given random init."""
+        with torch.random.fork_rng(devices=[]):
+            if self.model_fn is None:
+                model = build_model(self.name, self.input_shape, self.num_classes, **self.kwargs)
+            else:
+                model = self.model_fn(**self.kwargs)
         if state is not None:
             load_state_arrays(model, state)
         return model.eval()

@@ -61,10 +61,12 @@ def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
 
 
 def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module]) -> list[nn.Module]:
-    """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights."""
+    """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights (the
+    throw-away init draws from a fork of torch's global RNG: the caller's does not advance)."""
     models = []
     for m, state in enumerate(broadcast_states(msg)):
-        model = model_fn()
+        with torch.random.fork_rng(devices=[]):
+            model = model_fn()
         try:
             load_state_arrays(model, state)
         except RuntimeError as exc:
@@ -125,7 +127,8 @@ def make_upload(
     **options
         How sections are computed: ``curvature_backend`` ("" = measured default),
         ``curvature_batch_size`` (256), ``curvature_rank`` (0 = all eigenpairs),
-        ``curvature_half`` (False), ``temperature`` (0.1), ``prior_var`` (0.1), ``seed`` (0);
+        ``curvature_half`` (False), ``temperature`` (0.1), ``prior_var`` (0.1), ``seed`` (0),
+        ``accelerate`` (None: ``FEDFUSION_ACCEL``, else off; :mod:`fedfusion.accel`);
         see :class:`fedfusion.uploads.SectionOptions`.
     """
     if y is None:
@@ -142,7 +145,8 @@ def make_upload(
     wanted = [*sections, *optional]
     backend = section_options.curvature_backend or DEFAULT_BACKEND
     if any(section.startswith(CURVATURE_PREFIX) and uses_laplace(
-            models[0], section.removeprefix(CURVATURE_PREFIX), backend) for section in wanted):
+            models[0], section.removeprefix(CURVATURE_PREFIX), backend,
+            section_options.accelerate) for section in wanted):
         # once per process, before the timed fits (else member 0's fit carries it)
         import_s = import_laplace()
         if import_s > 0:

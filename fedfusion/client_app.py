@@ -44,7 +44,7 @@ log = logging.getLogger("fedfusion")
 
 #: run-config keys a SuperNode's node config may override for its own client
 NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads",
-                  "partition-file", "data-dir")
+                  "accelerate", "partition-file", "data-dir")
 
 app = ClientApp()
 
@@ -139,15 +139,17 @@ def run_client(
     with ExitStack() as stack:
         for m in range(settings.num_members):
             seeds.append(member_seed(settings, client_id, m, server_round))
-            torch.manual_seed(seeds[-1])
-            models.append(model := spec.build())
+            with torch.random.fork_rng(devices=[]):  # the init is seeded, the process is not
+                torch.manual_seed(seeds[-1])
+                models.append(model := spec.build())
             if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
                 model.load_state_dict({k: torch.from_numpy(v.copy())
                                        for k, v in inits[m].items()})
             member_terms.append(loss_terms(model, objective,
                                            previous[m] if m < len(previous) else None, stack))
-        # all members in one computation where the model allows it (fedfusion.stacked)
-        all_stats = train_members(models, x, y, train_config, seeds, member_terms)
+        # all members in one computation where the model allows it (fedfusion.accel.stacked)
+        all_stats = train_members(models, x, y, train_config, seeds, member_terms,
+                                  accelerate=settings.accelerate)
     train_s = 0.0
     contrastive_members = 0
     for m, (terms, stats) in enumerate(zip(member_terms, all_stats, strict=True)):
@@ -172,7 +174,7 @@ def section_options(settings: Settings) -> dict[str, Any]:
             "curvature_batch_size": settings.curvature_batch_size,
             "curvature_rank": settings.curvature_rank, "curvature_half": settings.curvature_half,
             "temperature": settings.temperature, "prior_var": settings.prior_var,
-            "seed": settings.seed}
+            "seed": settings.seed, "accelerate": settings.accelerate}
 
 
 def _same_shapes(a: Mapping[str, np.ndarray], b: Mapping[str, torch.Tensor]) -> bool:

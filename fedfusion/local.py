@@ -26,9 +26,13 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 def ensure_task_identity() -> None:
-    """Messages need a run identity; inside Flower the SuperLink sets it, here we do
-    (only where nothing has set it yet)."""
-    if TaskIdentity._run_id is None:
+    """Flower builds a Message only inside a run (its task identity: run, task and node id);
+    inside Flower the SuperLink sets it. In a process without a run, give it run 1, task 1,
+    node 0 through Flower's public setters, as Flower's own in-process compat runner does;
+    an identity already set (a real run in this process) is left alone."""
+    try:
+        TaskIdentity.run_id  # noqa: B018 (the public getter raises while no run is set)
+    except RuntimeError:
         TaskIdentity.run_id = TaskIdentity.task_id = 1
         TaskIdentity.node_id = 0
 

@@ -248,7 +248,7 @@ class ConvNet(nn.Module):
 
 
 # --- models with normalisation layers (BatchNorm buffers, LayerNorm) and residual blocks ----
-# None of them is a plain chain of conv/linear/ReLU/pool stages, so fedfusion.stacked does not
+# None of them is a plain chain of conv/linear/ReLU/pool stages, so fedfusion.accel.stacked does not
 # trace them (BatchNorm has buffers; LayerNorm and residual additions are stages it does not
 # know) and fedfusion.training.train_members trains them one by one with train_local, which
 # puts them in train mode for the steps and back in eval mode after.

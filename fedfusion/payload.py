@@ -184,13 +184,6 @@ class ClientUpload:
     #: the Flower node it came from (set by the server; None for uploads made without Flower)
     node_id: int | None = field(default=None, compare=False)
 
-    @classmethod
-    def from_models(cls, models: Sequence[Any], x: Any, y: Any, **kwargs: Any) -> ClientUpload:
-        """Shorthand for :func:`fedfusion.client.make_upload` (trained models -> upload)."""
-        from fedfusion.client import make_upload
-
-        return make_upload(models, x, y, **kwargs)
-
     @property
     def num_members(self) -> int:
         return len(self.members)

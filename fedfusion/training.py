@@ -9,21 +9,28 @@ The objective is the cross-entropy plus optional :data:`LossTerm` s: FedProx's
 (:class:`fedfusion.contrastive.ContrastiveTerm`). Without terms the loop is plain SGD.
 
 :func:`train_local` trains one model with autograd (the reference loop); :func:`train_members`
-trains a client's M members as one computation on the stacked trainer
-(:mod:`fedfusion.stacked`), ~2x the samples per second per core for LeNet
-(``benchmarks/throughput.py``), and falls back to :func:`train_local` for models or loss
-terms that trainer does not know.
+trains a client's M members one after the other with it, or, when asked
+(``accelerate=True`` or ``FEDFUSION_ACCEL=1``), as one computation on the optional stacked
+trainer (:mod:`fedfusion.accel.stacked`), ~2x the samples per second per core for LeNet
+(``benchmarks/throughput.py``), falling back to :func:`train_local` for models or loss terms
+that trainer does not know.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from fedfusion.accel import requested
+from fedfusion.loss_terms import LossTerm, ProximalTerm
+
+__all__ = ["LossTerm", "ProximalTerm", "TrainConfig", "TrainStats", "train_local",
+           "train_members"]
 
 
 @dataclass(frozen=True)
@@ -43,35 +50,6 @@ class TrainStats:
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(self.seconds, 1e-9)
-
-
-#: an extra loss added to every step's cross-entropy, called with the batch inputs right
-#: after the model's forward pass on them (so a hook may reuse that pass's activations)
-LossTerm = Callable[[torch.Tensor], torch.Tensor]
-
-
-class ProximalTerm:
-    """FedProx (Li et al., 2020): ``mu / 2 * ||w - w_ref||^2`` over the model's parameters.
-
-    ``reference`` (parameter name -> tensor) defaults to a copy of the model's parameters
-    when the term is built, i.e. the global model the client just received."""
-
-    def __init__(self, model: nn.Module, mu: float,
-                 reference: Mapping[str, torch.Tensor] | None = None):
-        if not mu >= 0:
-            raise ValueError(f"the proximal mu must be >= 0, got {mu}")
-        self.mu = mu
-        self.params = dict(model.named_parameters())
-        if reference is None:
-            reference = {k: p.detach().clone() for k, p in self.params.items()}
-        missing = sorted(set(self.params) - set(reference))
-        if missing:
-            raise ValueError(f"the proximal reference lacks parameters {missing}")
-        self.reference = {k: torch.as_tensor(reference[k]).detach() for k in self.params}
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mu / 2 * sum((p - self.reference[k]).pow(2).sum()
-                                 for k, p in self.params.items())
 
 
 def train_local(
@@ -117,26 +95,32 @@ def train_members(
     config: TrainConfig,
     seeds: Sequence[int],
     loss_terms: Sequence[Sequence[LossTerm]] | None = None,
+    *,
+    accelerate: bool | None = None,
 ) -> list[TrainStats]:
     """Train every ``models[m]`` in place as ``train_local(models[m], x, y, config, seeds[m],
     loss_terms[m])`` does: the same SGD, the same number of steps, member m's own batch order
     (``seeds[m]``), momentum buffer and loss terms.
 
-    Members of an architecture the stacked engine knows (:mod:`fedfusion.stacked`: chains of
+    With ``accelerate`` (default: ``FEDFUSION_ACCEL``, else off), members of an architecture
+    the stacked engine knows (:mod:`fedfusion.accel.stacked`: chains of
     convolutions, linear layers, ReLU, 2x2 max-pools and flattening, as the model zoo's) train
     as one computation, equal to the one-by-one result up to float summation order; any other
     model, or a loss term other than a :class:`ProximalTerm` on the member itself, trains one
     member after the other with :func:`train_local`. Members whose feature maps are large
     train in chunks of fewer members (:data:`CHUNK_BYTES`). The stacked engine reports one
     wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``."""
-    from fedfusion.stacked import compile_members, train_stacked
-
     if len(seeds) != len(models):
         raise ValueError(f"train_members got {len(models)} models and {len(seeds)} seeds")
     terms = [list(t) for t in loss_terms] if loss_terms is not None else [[] for _ in models]
     if len(terms) != len(models):
         raise ValueError(f"train_members got {len(models)} models and {len(terms)} "
                          "lists of loss terms")
+    if not requested(accelerate):
+        return [train_local(model, x, y, config, seed, member_terms)
+                for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
+    from fedfusion.accel.stacked import compile_members, train_stacked
+
     for model in models:
         model.train()
     size = _members_per_chunk(models, x, config.batch_size)

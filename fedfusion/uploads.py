@@ -38,7 +38,8 @@ class SectionOptions:
     ``curvature_half`` stores Kron eigenvectors in float16; ``seed`` seeds Monte-Carlo
     curvature backends. ``temperature`` and ``prior_var`` shape the Laplace object fitted on
     the client; the uploaded arrays hold the likelihood curvature only, so the server chooses
-    its own."""
+    its own. ``accelerate`` (None = ``FEDFUSION_ACCEL``, else off): the optional compiled
+    Kron fit of :mod:`fedfusion.accel`, the same factors to float tolerance."""
 
     curvature_backend: str = ""
     curvature_batch_size: int = 256
@@ -47,6 +48,7 @@ class SectionOptions:
     temperature: float = 0.1
     prior_var: float = 0.1
     seed: int = 0
+    accelerate: bool | None = None
 
 
 #: (trained member, client inputs, labels, options, the member's sections built so far) -> arrays
@@ -103,6 +105,7 @@ def _curvature_builder(structure: str) -> SectionBuilder:
             temperature=options.temperature, prior_var=options.prior_var,
             backend=options.curvature_backend or DEFAULT_BACKEND,
             batch_size=options.curvature_batch_size, seed=options.seed, diagonal=diagonal,
+            accelerate=options.accelerate,
         )
         if isinstance(curvature, KronCurvature):
             return curvature.to_arrays(rank=options.curvature_rank or None,

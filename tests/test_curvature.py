@@ -510,32 +510,28 @@ def test_asdl_conv_kron_factors_equal_the_brute_force_gram(shape) -> None:
     """The installed conv K-FAC factors equal sum over samples and positions of x x^T."""
     from asdl.operations.conv import Conv2d
 
-    from fedfusion.curvature import asdl_speedup
+    from fedfusion.accel import asdl_speedup
 
-    assert asdl_speedup.install()
     x = torch.randn(*shape, dtype=torch.float64)
     brute = torch.einsum("nkl,njl->kj", x, x)
     assert asdl_speedup.prefers_batched(x) == (4 * shape[1] <= shape[2])
-    torch.testing.assert_close(Conv2d.cov_kron_B(None, x), brute, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(Conv2d.cov_kron_A(None, x), brute / shape[2], rtol=1e-12,
-                               atol=1e-12)
+    with asdl_speedup.patched() as used:
+        assert used
+        torch.testing.assert_close(Conv2d.cov_kron_B(None, x), brute, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(Conv2d.cov_kron_A(None, x), brute / shape[2], rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_asdl_speedup_fit_equals_asdls_own_factors(monkeypatch) -> None:
     """A LeNet MC K-FAC fit gives the same factors with ASDL's original conv functions."""
-    from asdl.operations.conv import Conv2d
-
-    from fedfusion.curvature import asdl_speedup, fast_kron
+    from fedfusion.accel import fast_kron
 
     monkeypatch.setattr(fast_kron, "kron_mc_factors", lambda *args: None)  # laplace-torch's fit
     torch.manual_seed(0)
     net = build_model("lenet", (1, 28, 28), 10)
     x, y = torch.randn(96, 1, 28, 28), torch.randint(0, 10, (96,))
-    fast = fit_curvature(net, x, y, "kron", batch_size=32)
-    assert asdl_speedup.install()
-    for name, original in asdl_speedup.ORIGINAL.items():
-        monkeypatch.setattr(Conv2d, name, staticmethod(original))
-    slow = fit_curvature(net, x, y, "kron", batch_size=32)
+    fast = fit_curvature(net, x, y, "kron", batch_size=32, accelerate=True)  # patched ASDL
+    slow = fit_curvature(net, x, y, "kron", batch_size=32, accelerate=False)  # ASDL's own
     for name, factor in slow.factors.items():
         for attr in ("eigvals_in", "eigvals_out"):
             torch.testing.assert_close(getattr(fast.factors[name], attr),

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from fedfusion.accel.fast_kron import kron_mc_factors
 from fedfusion.curvature import fit_curvature
-from fedfusion.curvature.fast_kron import kron_mc_factors
 from fedfusion.curvature.fit import fit_laplace, param_shapes
 from fedfusion.models import build_model
 from fedfusion.training import TrainConfig, train_members
@@ -69,7 +69,7 @@ def test_factors_equal_laplace_torchs_asdl_mc_factors_draw_for_draw(name, shape,
 
 def test_fit_curvature_uses_it_and_falls_back_to_laplace_torch_elsewhere():
     model, x, y = _trained("lenet", (1, 28, 28), 10)
-    fast = fit_curvature(model, x, y, "kron", seed=2)
+    fast = fit_curvature(model, x, y, "kron", seed=2, accelerate=True)
     via_laplace = fit_curvature(model, x, y, "kron", seed=2, backend="asdl_ggn")  # exact GGN
     assert fast.precision_logdet() == pytest.approx(via_laplace.precision_logdet(), rel=0.05)
 
@@ -82,7 +82,8 @@ def test_fit_curvature_uses_it_and_falls_back_to_laplace_torch_elsewhere():
             return torch.tanh(self.fc(x))
 
     assert kron_mc_factors(Tanh(), torch.randn(10, 4), seed=0) is None
-    curvature = fit_curvature(Tanh(), torch.randn(40, 4), torch.randint(0, 3, (40,)), "kron")
+    curvature = fit_curvature(Tanh(), torch.randn(40, 4), torch.randint(0, 3, (40,)), "kron",
+                              accelerate=True)
     assert curvature.precision_logdet() > 0
 
 

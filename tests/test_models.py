@@ -212,7 +212,7 @@ def test_batchnorm_state_round_trips_through_plain_arrays():
 
 @pytest.mark.parametrize(("name", "kwargs"), NEW_MODELS, ids=NEW_IDS)
 def test_new_models_train_one_by_one_not_on_the_stacked_engine(name, kwargs):
-    from fedfusion import stacked
+    from fedfusion.accel import stacked
     from fedfusion.training import TrainConfig, train_members
 
     models = [build_model(name, (1, 28, 28), 10, **kwargs) for _ in range(2)]

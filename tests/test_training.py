@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion import kernels, stacked, training
+from fedfusion import training
+from fedfusion.accel import kernels, stacked
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.models import build_model
 from fedfusion.training import ProximalTerm, TrainConfig, train_local, train_members
@@ -43,7 +44,7 @@ def test_training_fits_a_learnable_task():
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(not (FMNIST / "train-images-idx3-ubyte.gz").is_file(),
                                   reason="Fashion-MNIST not installed")
-needs_kernels = pytest.mark.skipif(kernels.pool_kernels() is None,
+needs_kernels = pytest.mark.skipif(kernels.compiler() is None,
                                    reason="no C compiler: the compiled kernels are unavailable")
 
 
@@ -88,7 +89,7 @@ MODELS = [("lenet", (1, 28, 28), {}), ("cnn", (3, 32, 32), {}), ("mlp", (1, 28, 
                          ids=["lenet", "cnn", "mlp", "mlp-bias"])
 def test_stacked_members_equal_the_members_trained_one_by_one(
         fmnist_rows, name, shape, kwargs, use_kernels, monkeypatch):
-    if use_kernels and kernels.pool_kernels() is None:
+    if use_kernels and kernels.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv(kernels.DISABLE_ENV, "0" if use_kernels else "1")
     monkeypatch.setattr(training, "CHUNK_BYTES", 2**40)  # all three members in one stack
@@ -107,7 +108,7 @@ def test_stacked_members_equal_the_members_trained_one_by_one(
     stacked_models = _members(name, shape, 3, first_init, **kwargs)
     expected = [train_local(m, x, y, config, s) for m, s in zip(reference, seeds, strict=True)]
     assert stacked.compile_members(stacked_models, x, [[]] * 3) is not None  # not a fallback
-    got = train_members(stacked_models, x, y, config, seeds)
+    got = train_members(stacked_models, x, y, config, seeds, accelerate=True)
     assert _max_relative_error(reference, stacked_models) < 1e-5
     for e, g in zip(expected, got, strict=True):
         assert g.samples == e.samples == 400
@@ -122,14 +123,14 @@ def test_stacked_members_follow_their_own_seed_and_equal_seeds_give_equal_bits(f
     runs = []
     for _ in range(2):
         models = _members("lenet", (1, 28, 28), 3)
-        train_members(models, x[:300], y[:300], config, [1, 1, 2])
+        train_members(models, x[:300], y[:300], config, [1, 1, 2], accelerate=True)
         runs.append([m.state_dict() for m in models])
     for a, b in zip(*runs, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
     # members 0 and 1 differ in init only; 1 and 2 in their seed only: both must differ
     alike = _members("lenet", (1, 28, 28), 2)
     alike[1].load_state_dict(alike[0].state_dict())
-    train_members(alike, x[:300], y[:300], config, [1, 2])
+    train_members(alike, x[:300], y[:300], config, [1, 2], accelerate=True)
     assert any(not torch.equal(p, q) for p, q in zip(alike[0].parameters(),
                                                       alike[1].parameters(), strict=True))
 
@@ -150,7 +151,7 @@ def test_stacked_fedprox_members_equal_their_one_by_one_training(fmnist_rows):
     expected = [train_local(m, x, y, config, 3, t)
                 for m, t in zip(reference, ref_terms, strict=True)]
     assert stacked.compile_members(models, x, stacked_terms) is not None
-    got = train_members(models, x, y, config, [3, 3, 3], stacked_terms)
+    got = train_members(models, x, y, config, [3, 3, 3], stacked_terms, accelerate=True)
     assert _max_relative_error(reference, models) < 1e-5
     assert [g.final_loss for g in got] == pytest.approx([e.final_loss for e in expected],
                                                         rel=1e-5)
@@ -176,7 +177,7 @@ def test_unknown_models_and_contrastive_terms_fall_back_to_one_by_one_training()
     b.load_state_dict(a.state_dict())
     assert stacked.compile_members([b], x, [[]]) is None
     train_local(a, x, y, config, 5)
-    train_members([b], x, y, config, [5])
+    train_members([b], x, y, config, [5], accelerate=True)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
     models = [build_model("mlp", (1, 4, 4), 3, hidden_layers=1, hidden=8) for _ in range(2)]
@@ -252,10 +253,10 @@ def _has_sgd_kernel_here() -> bool:
     ``alpha`` once, as the compiled step does)."""
     from pathlib import Path
 
-    from fedfusion import kernels
+    from fedfusion.accel import kernels
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return kernels._compiler() is not None and " fma " in flags
+    return kernels.compiler() is not None and " fma " in flags
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -265,8 +266,8 @@ def test_the_stacked_sgd_step_is_torch_sgd_bit_for_bit(monkeypatch, compiled, fr
     steps, on large tensors and on small ones of odd sizes, where vectorised kernels handle
     a tail (PyTorch's fused SGD differs from its own single-tensor step there in the last
     bit), with the compiled one-pass step and with PyTorch's ops."""
-    from fedfusion import kernels
-    from fedfusion.stacked import _MomentumSGD
+    from fedfusion.accel import kernels
+    from fedfusion.accel.stacked import _MomentumSGD
 
     if compiled:
         monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
@@ -306,7 +307,7 @@ def test_the_stacked_sgd_step_is_torch_sgd_bit_for_bit(monkeypatch, compiled, fr
 def test_a_compiled_sgd_step_that_rounds_differently_is_not_used(monkeypatch):
     """The load-time check against PyTorch's step: a kernel fusing ``buf * momentum + grad``
     into one rounding (as PyTorch's fused SGD does) is refused, and PyTorch's ops are used."""
-    from fedfusion import kernels
+    from fedfusion.accel import kernels
 
     if not _has_sgd_kernel_here():
         pytest.skip("no C compiler or no FMA here")
@@ -328,7 +329,7 @@ def test_a_compiled_sgd_step_that_rounds_differently_is_not_used(monkeypatch):
 def test_member_batches_follow_each_members_own_order(n):
     """Step s holds rows [s*b, (s+1)*b) of member 0's order, then of member 1's, ...; the
     last step is the partial batch (also when there is no full one)."""
-    from fedfusion.stacked import _member_batches
+    from fedfusion.accel.stacked import _member_batches
 
     g = torch.Generator().manual_seed(n)
     orders = torch.stack([torch.randperm(n, generator=g) for _ in range(3)])

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
-from fedfusion.curvature import asdl_speedup
+from fedfusion import accel
 from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
@@ -117,13 +117,19 @@ def import_laplace() -> float:
     return time.perf_counter() - start
 
 
-def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEND) -> bool:
-    """Whether :func:`fit_curvature` of ``model`` with ``structure`` and ``backend`` goes
-    through laplace-torch (a client need not import it, ~2 s and 0.3 GB, when it does not)."""
-    if structure == "kron" and backend == "asdl_mc":
-        from fedfusion.curvature.fast_kron import supports
+def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEND,
+                 accelerate: bool | None = None) -> bool:
+    """Whether :func:`fit_curvature` of ``model`` with ``structure``, ``backend`` and
+    ``accelerate`` goes through laplace-torch (a client need not import it, ~2 s and 0.3 GB,
+    when it does not)."""
+    if structure != "kron":
+        return True
+    if is_hybrid(model):
+        return False
+    if backend == "asdl_mc" and accel.requested(accelerate):
+        from fedfusion.accel.fast_kron import supports
 
-        return not (supports(model) or is_hybrid(model))
+        return not supports(model)
     return True
 
 
@@ -146,6 +152,7 @@ def _laplace(
     backend: str,
     temperature: float,
     prior_var: float,
+    accelerate: bool,
     **kwargs: Any,
 ) -> Any:
     if backend not in BACKENDS:
@@ -154,8 +161,6 @@ def _laplace(
 
     class_name, backend_kwargs = BACKENDS[backend]
     backend_cls = getattr(curvature, class_name)
-    if backend.startswith("asdl"):
-        asdl_speedup.install()  # conv K-FAC factors without a transposed copy of the batch
     la = Laplace(
         model,
         "classification",
@@ -165,7 +170,13 @@ def _laplace(
         backend_kwargs=dict(backend_kwargs),
         **kwargs,
     )
-    la.fit(loader)
+    if accelerate and backend.startswith("asdl"):
+        from fedfusion.accel.asdl_speedup import patched
+
+        with patched():  # conv K-FAC factors without a transposed copy of the batch
+            la.fit(loader)
+    else:
+        la.fit(loader)
     return la
 
 
@@ -180,11 +191,13 @@ def fit_laplace(
     backend: str = DEFAULT_BACKEND,
     batch_size: int = 256,
     seed: int | None = 0,
+    accelerate: bool | None = None,
     **laplace_kwargs: Any,
 ) -> Any:
     """laplace-torch ``Laplace(...)`` fitted on ``(x, y)`` (``subset_of_weights="all"`` unless
     given) for a deep copy of ``model``; the RNG of MC backends is seeded with ``seed`` inside a
-    forked RNG state."""
+    forked RNG state. ``accelerate`` (see :mod:`fedfusion.accel`): ASDL's conv factors in their
+    batched form during this fit."""
     model = copy.deepcopy(model).eval()
     # whole batches by slicing the tensors (a per-sample collate costs ~3 % of a LeNet fit)
     batches = BatchSampler(SequentialSampler(range(len(y))), batch_size, drop_last=False)
@@ -200,6 +213,7 @@ def fit_laplace(
             backend,
             temperature,
             prior_var,
+            accel.requested(accelerate),
             hessian_structure=hessian_structure,
             **laplace_kwargs,
         )
@@ -237,6 +251,7 @@ def fit_curvature(
     batch_size: int = 256,
     seed: int | None = 0,
     diagonal: DiagCurvature | None = None,
+    accelerate: bool | None = None,
 ) -> Curvature:
     """Laplace curvature of the trained ``model`` (the MAP) on the client data ``(x, y)``.
 
@@ -244,6 +259,9 @@ def fit_curvature(
     ``diag_full``) whose precision is ``H / temperature + I / prior_var``; ``model`` itself is
     not modified (laplace-torch works on a deep copy). ``diagonal``: this member's ``diag``
     fit with the same settings, if already computed; ``diag`` / ``diag_full`` reuse it.
+    ``accelerate`` (default: ``FEDFUSION_ACCEL``, else off; see :mod:`fedfusion.accel`): the
+    ``asdl_mc`` Kron factors of a plain conv/linear chain on the stacked trainer's compiled
+    layers, the same factors to float tolerance without laplace-torch.
     """
     if structure not in STRUCTURES:
         raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
@@ -256,6 +274,7 @@ def fit_curvature(
         backend=backend,
         batch_size=batch_size,
         seed=seed,
+        accelerate=accelerate,
     )
     if structure == "kron":
         for name, module in model.named_modules():
@@ -271,8 +290,8 @@ def fit_curvature(
             matrices, diagonals = hybrid_kron_fit(model, x, seed, batch_size)
             return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var,
                                                     diagonals)
-        if backend == "asdl_mc":  # the same factors without laplace-torch, where it can
-            from fedfusion.curvature.fast_kron import kron_mc_factors
+        if backend == "asdl_mc" and accel.requested(accelerate):  # the same factors, faster
+            from fedfusion.accel.fast_kron import kron_mc_factors
 
             matrices = kron_mc_factors(model, x, seed, batch_size)
             if matrices is not None:

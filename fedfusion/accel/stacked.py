@@ -16,16 +16,16 @@ first convolution's forward. Grouped convolutions over channel-stacked members i
 same kernels (no gain, measured), and ``torch.compile`` on CPU was slower than eager. Here
 every layer is written as a few large, regular operations over all members:
 
-* convolutions run member by member inside one compiled kernel (:mod:`fedfusion.kernels`)
+* convolutions run member by member inside one compiled kernel (:mod:`fedfusion.accel.kernels`)
   where that is fastest, else as im2col + one batched GEMM (``torch.bmm``) per pass or as
-  PyTorch's own convolution per member (:class:`_Conv2d`); every buffer is reused from step to
+  PyTorch's own convolution per member (:class:`StackedConv2d`); every buffer is reused from step to
   step (a fresh 18 MB im2col buffer per step costs ~500 page faults);
 * a 2x2 max-pool and the ReLU next to it are one compiled kernel, or, without a C compiler,
   three ``maximum`` of the windows' corners with the first-maximum choice kept as masks; both
   route each gradient to the same position as PyTorch's ``max_pool2d`` (the first maximum in
   row-major window order);
 * the backward pass is written by hand (no autograd graph), and a layer's weight gradient can
-  be skipped (``weight_grads``, for the curvature fit of :mod:`fedfusion.curvature.fast_kron`).
+  be skipped (``weight_grads``, for the curvature fit of :mod:`fedfusion.accel.fast_kron`).
 
 Layout: feature maps are ``[M, C, B, H, W]`` (member, channel, sample, height, width) views,
 most of them stored per member as NCHW batches (``[M, B, C, H, W]``); flat features are
@@ -50,7 +50,8 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
-from fedfusion import kernels
+from fedfusion.accel import kernels
+from fedfusion.loss_terms import ProximalTerm
 
 
 class _Workspace:
@@ -140,14 +141,14 @@ def _ordered(workspace: _Workspace, name: str, shape: Sequence[int], order: Sequ
     return stored.permute([order.index(d) for d in range(len(order))])
 
 
-class _Conv2d(_Layer):
+class StackedConv2d(_Layer):
     """A convolution of all members, by one of three strategies (fixed at the first forward
     pass, from the map size):
 
-    * ``kernel``: the compiled direct convolution of :mod:`fedfusion.kernels` for the forward
+    * ``kernel``: the compiled direct convolution of :mod:`fedfusion.accel.kernels` for the forward
       pass, the weight gradient (stride 1, no padding or dilation, all output channels in
-      one register block: :func:`fedfusion.kernels.one_block`) and the input gradient where
-      its accumulators fit in registers (:func:`fedfusion.kernels.input_grad_block`; else
+      one register block: :func:`fedfusion.accel.kernels.one_block`) and the input gradient where
+      its accumulators fit in registers (:func:`fedfusion.accel.kernels.input_grad_block`; else
       PyTorch's). LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
       against 11.8 ms (oneDNN) and 7.4 ms (``gemm``); the second 4.9 ms against 5.0 ms
       (oneDNN), and its input gradient 2.0 ms against 3.7 ms (oneDNN);
@@ -350,7 +351,7 @@ class _Conv2d(_Layer):
         return gx
 
 
-class _Linear(_Layer):
+class StackedLinear(_Layer):
     """Batched matmul on ``[M, B, F]``. Outputs and input gradients are stored feature-major
     (``[M, F, B]`` buffers, returned as ``[M, B, F]`` views): every GEMM then reads or writes
     ``[F, B]`` matrices, 6% faster for the MLP's three layers at B = 64 than ``[B, F]`` ones
@@ -637,12 +638,10 @@ def compile_members(models: Sequence[nn.Module], x: torch.Tensor,
     """A :class:`StackedNetwork` over ``models``, or None when the engine cannot train them
     faithfully (unknown layer, different architectures, buffers, non-float32 or non-CPU
     tensors, a loss term other than a FedProx term on the member itself). ``use_kernels``:
-    whether to use the compiled kernels of :mod:`fedfusion.kernels` where they help (default:
+    whether to use the compiled kernels of :mod:`fedfusion.accel.kernels` where they help (default:
     unless ``FEDFUSION_NO_KERNELS`` is set); without them the engine uses PyTorch ops only."""
     if use_kernels is None:
         use_kernels = not kernels.disabled()
-    from fedfusion.training import ProximalTerm
-
     if not models or x.dtype != torch.float32 or x.device.type != "cpu" or x.ndim not in (2, 4):
         return None
     reference = {k: (v.shape, v.dtype, v.device) for k, v in models[0].state_dict().items()}
@@ -673,12 +672,12 @@ def compile_members(models: Sequence[nn.Module], x: torch.Tensor,
         if kind == "conv":
             if not spatial:
                 return None
-            layers.append(_Conv2d(name, workspace, [m.get_submodule(name) for m in models],
+            layers.append(StackedConv2d(name, workspace, [m.get_submodule(name) for m in models],
                                   use_kernels))
         elif kind == "linear":
             if spatial:
                 return None
-            layers.append(_Linear(name, workspace, [m.get_submodule(name) for m in models]))
+            layers.append(StackedLinear(name, workspace, [m.get_submodule(name) for m in models]))
         elif kind in ("relu", "pool") and {kind, following} == {"relu", "pool"}:
             if not spatial:
                 return None
@@ -803,7 +802,7 @@ def _member_batches(orders: torch.Tensor, batch_size: int) -> list[torch.Tensor]
 class _MomentumSGD:
     """``torch.optim.SGD`` (no dampening, weight decay or Nesterov) on the stacked tensors:
     the same elementwise arithmetic as each member's own optimiser, bit for bit, in one
-    compiled pass where :func:`fedfusion.kernels.sgd_kernel` is available. (PyTorch's own
+    compiled pass where :func:`fedfusion.accel.kernels.sgd_kernel` is available. (PyTorch's own
     fused kernel, what ``SGD(fused=True)`` runs, differs in the last bit on tensors of a few
     elements, e.g. LeNet's first layer at M = 1: not used.) ``grads`` are read at each
     :meth:`step`; ``buffers``: momentum buffers to start from (default: the first gradients,

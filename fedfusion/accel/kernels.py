@@ -1,4 +1,4 @@
-"""Small compiled CPU kernels for the stacked trainer (:mod:`fedfusion.stacked`).
+"""Small compiled CPU kernels for the stacked trainer (:mod:`fedfusion.accel.stacked`).
 
 At the sizes of the zoo's small models (LeNet: 1 -> 6 -> 16 channels) PyTorch's CPU kernels
 are far from the arithmetic peak: oneDNN computes the weight gradient of a 1-channel 5x5
@@ -8,8 +8,10 @@ compiler keeps the accumulators in vector registers, do the same work in a fract
 (``benchmarks/throughput.py``).
 
 The C source is generated from the layer's sizes (integers only), compiled once per machine
-with the system C compiler (``$CC``, else ``cc``) into a cache folder and loaded with
-``ctypes``: no torch headers, so a compile takes ~0.5 s. Everything is optional: without a
+with the system C compiler (``$CC``, else ``cc``) into a per-user cache folder (mode 0700,
+:func:`private_cache_dir`) and loaded with ``ctypes`` only after its SHA-256 matches the one
+recorded when it was built: no torch headers, so a compile takes ~0.5 s. Only code that asked
+for :mod:`fedfusion.accel` gets here. Everything is optional: without a
 compiler (or with ``FEDFUSION_NO_KERNELS=1``) the getters return None and the stacked trainer
 uses its PyTorch ops instead. The kernels are single-threaded and deterministic; their float
 summation order differs from PyTorch's, so results agree to float tolerance, not bitwise
@@ -321,6 +323,35 @@ def _cache_dir() -> Path:
     return Path(base).expanduser() / "fedfusion" / "kernels"
 
 
+def private_cache_dir() -> Path:
+    """The kernel cache, created with mode 0700; an existing one must belong to this user
+    and be closed to others (a shared library loaded from a folder someone else can write is
+    their code in this process). Raises ``PermissionError`` naming the problem."""
+    folder = _cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise PermissionError(f"kernel cache {folder} belongs to uid {info.st_uid}, not to "
+                              f"this user; set {CACHE_ENV} to a folder of your own")
+    if info.st_mode & 0o077:
+        folder.chmod(0o700)  # ours: close it (an old cache made with the umask's mode)
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(target: Path) -> bool:
+    """Whether ``target`` is the very build recorded beside it (``<name>.sha256``, written
+    after the compile): a truncated, corrupted or swapped file is rebuilt, never loaded."""
+    record = target.with_suffix(".sha256")
+    try:
+        return target.is_file() and record.read_text().strip() == _sha256(target)
+    except OSError:
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def _machine_key() -> str:
     """What a ``-march=native`` build depends on: the CPU's identity and features."""
@@ -336,7 +367,8 @@ def _machine_key() -> str:
     return f"{platform.machine()}|{platform.processor()}|{cpu}"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C compiler the kernels are built with (``$CC``, else ``cc``, else ``gcc``)."""
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
@@ -345,29 +377,38 @@ def _library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | No
     """Compile ``source`` (or reuse the cached build) and load it; None if that fails."""
     if disabled():
         return None
-    compiler = _compiler()
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.info("no C compiler found: the stacked trainer uses PyTorch ops only")
         return None
     key = hashlib.sha256("\0".join(
-        [source, compiler, " ".join(_FLAGS + extra_flags), _machine_key(), sys.platform]
+        [source, cc, " ".join(_FLAGS + extra_flags), _machine_key(), sys.platform]
     ).encode()).hexdigest()
-    folder = _cache_dir()
-    target = folder / f"fedfusion_{key[:24]}.so"
     try:
-        if not target.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
+        folder = private_cache_dir()
+        target = folder / f"fedfusion_{key[:24]}.so"
+        if not _verified(target):
+            if target.exists():
+                log.warning("kernel %s does not match its recorded hash: rebuilding it", target)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 c_file = Path(tmp) / "kernel.c"
                 c_file.write_text(source)
                 built = Path(tmp) / "kernel.so"
-                command = [compiler, *_FLAGS, *extra_flags, "-o", str(built), str(c_file)]
+                command = [cc, *_FLAGS, *extra_flags, "-o", str(built), str(c_file)]
                 result = subprocess.run(command, capture_output=True, text=True, timeout=120)
                 if result.returncode != 0:
                     log.warning("compiling the stacked trainer's kernels failed (PyTorch ops "
                                 "are used instead): %s", result.stderr.strip()[-2000:])
                     return None
-                os.replace(built, target)  # atomic: processes compiling at once all succeed
+                record = Path(tmp) / "kernel.sha256"
+                record.write_text(_sha256(built))
+                # atomic renames: processes compiling at once all succeed; the record last,
+                # so a reader never sees a record without its build
+                os.replace(built, target)
+                os.replace(record, target.with_suffix(".sha256"))
+            if not _verified(target):
+                log.warning("kernel %s changed while it was written: not loaded", target)
+                return None
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("the stacked trainer's kernels are unavailable (PyTorch ops are used "

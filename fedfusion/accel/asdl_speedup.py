@@ -12,19 +12,26 @@ channels (LeNet's first convolution: ``K = 25``, ``L = 576``, 3.0 ms instead of 
 ``4 K <= L``. ASDL's own code handles every other case.
 
 The values are the same matrix up to float summation order (the tests compare with ASDL's
-functions). :func:`install` swaps the two static methods once per process. It is a no-op
-when the installed ASDL does not have them in the expected form.
+functions). :func:`patched` swaps the two static methods for the duration of a ``with`` block
+(nested and concurrent blocks share one swap; the last to leave restores ASDL's own), so a
+process that imports fedfusion keeps ASDL as it found it. It is a no-op when the installed
+ASDL does not have them in the expected form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
-_INSTALLED = False
+#: blocks inside :func:`patched` right now (the swap is undone when the last one leaves)
+_USERS = 0
+_LOCK = threading.Lock()
 #: ASDL's own functions, kept for the fallback and for comparison
 ORIGINAL: dict[str, Callable[..., torch.Tensor]] = {}
+_SAVED: dict[str, staticmethod] = {}
 
 
 def batched_gram(x: torch.Tensor) -> torch.Tensor:
@@ -55,22 +62,36 @@ def _kron_b(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     return cov_kron_B
 
 
-def install() -> bool:
-    """Use the batched factors in ASDL's ``Conv2d`` operation; True once installed."""
-    global _INSTALLED
-    if _INSTALLED:
-        return True
+@contextlib.contextmanager
+def patched() -> Iterator[bool]:
+    """Use the batched factors in ASDL's ``Conv2d`` operation inside the block; yields
+    whether they are in use (False when ASDL is missing or has another form)."""
+    global _USERS
     try:
         from asdl.operations.conv import Conv2d
     except ImportError:
-        return False
-    attrs = Conv2d.__dict__
-    if not all(isinstance(attrs.get(name), staticmethod)
-               for name in ("cov_kron_A", "cov_kron_B")):
-        return False
-    ORIGINAL.update(cov_kron_A=attrs["cov_kron_A"].__func__,
-                    cov_kron_B=attrs["cov_kron_B"].__func__)
-    Conv2d.cov_kron_A = staticmethod(_kron_a(ORIGINAL["cov_kron_A"]))
-    Conv2d.cov_kron_B = staticmethod(_kron_b(ORIGINAL["cov_kron_B"]))
-    _INSTALLED = True
-    return True
+        yield False
+        return
+    with _LOCK:
+        attrs = Conv2d.__dict__
+        usable = _USERS > 0 or all(isinstance(attrs.get(name), staticmethod)
+                                   for name in ("cov_kron_A", "cov_kron_B"))
+        if usable:
+            if _USERS == 0:
+                _SAVED.update(cov_kron_A=attrs["cov_kron_A"], cov_kron_B=attrs["cov_kron_B"])
+                ORIGINAL.update(cov_kron_A=attrs["cov_kron_A"].__func__,
+                                cov_kron_B=attrs["cov_kron_B"].__func__)
+                Conv2d.cov_kron_A = staticmethod(_kron_a(ORIGINAL["cov_kron_A"]))
+                Conv2d.cov_kron_B = staticmethod(_kron_b(ORIGINAL["cov_kron_B"]))
+            _USERS += 1
+    if not usable:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        with _LOCK:
+            _USERS -= 1
+            if _USERS == 0:
+                for name, descriptor in _SAVED.items():  # the very objects found
+                    setattr(Conv2d, name, descriptor)

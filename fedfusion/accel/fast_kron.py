@@ -4,7 +4,7 @@ stacked trainer's layers, without laplace-torch: the same factors, 2-3x faster.
 laplace-torch + ASDL spend most of a LeNet fit outside the factors themselves: PyTorch's
 ``max_pool2d`` forward and backward, weight gradients nobody uses (the backward pass runs
 through the parameters), oneDNN's slow gradient of the first convolution. Here one forward
-and one backward pass per batch run on :mod:`fedfusion.stacked`'s layers (compiled kernels,
+and one backward pass per batch run on :mod:`fedfusion.accel.stacked`'s layers (compiled kernels,
 no weight gradients), and the K-FAC factors are the same GEMMs ASDL computes:
 
 * per batch of ``batch_size`` rows (in order, as laplace-torch's loader takes them), labels
@@ -30,7 +30,13 @@ import weakref
 import torch
 from torch import nn
 
-from fedfusion.stacked import StackedNetwork, _Conv2d, _Linear, compile_members, trace_stages
+from fedfusion.accel.stacked import (
+    StackedConv2d,
+    StackedLinear,
+    StackedNetwork,
+    compile_members,
+    trace_stages,
+)
 
 #: int64 draws laplace-torch 0.3's ``fit`` (a DataLoader iterator's base seed, twice) takes
 #: from the global RNG before ASDL's first label draw (checked by the tests)
@@ -102,7 +108,7 @@ def _data_gram(x: torch.Tensor, batch_size: int) -> torch.Tensor:
 GRAM_MAX_FEATURES = 2048
 
 
-def _uses_input_gram(layer: _Conv2d, c: int, h: int, w: int) -> bool:
+def _uses_input_gram(layer: StackedConv2d, c: int, h: int, w: int) -> bool:
     """Whether a convolution's A factor comes cheaper from the Gram of its whole inputs.
 
     ``A = sum_n sum_l p_nl p_nl^T`` (patches ``p``) is a windowed sum of the entries of the
@@ -120,7 +126,7 @@ def _uses_input_gram(layer: _Conv2d, c: int, h: int, w: int) -> bool:
     return features**2 < 2 * patch**2 * ho * wo
 
 
-def _patch_index(layer: _Conv2d, c: int, h: int, w: int) -> torch.Tensor:
+def _patch_index(layer: StackedConv2d, c: int, h: int, w: int) -> torch.Tensor:
     """``[K, L]``: the flat input index (``c * H * W + y * W + x``) of patch element ``k``
     (PyTorch's weight order) at output position ``l``."""
     ho = (h - layer.dh * (layer.kh - 1) - 1) // layer.sh + 1
@@ -145,10 +151,10 @@ def _accumulate(net: StackedNetwork, x: torch.Tensor, batch_size: int
     # the data's, shared by every member fitted on this x
     data_only = all(type(layer).__name__ in ("_Flatten", "_Identity")
                     for layer in net.layers[:first]) and (
-        isinstance(first_layer, _Linear) or (
-            isinstance(first_layer, _Conv2d) and x.ndim == 4
+        isinstance(first_layer, StackedLinear) or (
+            isinstance(first_layer, StackedConv2d) and x.ndim == 4
             and _uses_input_gram(first_layer, *x.shape[1:])))
-    if data_only and isinstance(first_layer, _Conv2d):
+    if data_only and isinstance(first_layer, StackedConv2d):
         grams[first_layer.name] = tuple(x.shape[1:])  # type: ignore[assignment]
     for begin in range(0, len(x), batch_size):
         inputs = x[begin:begin + batch_size].unsqueeze(0)
@@ -176,7 +182,7 @@ def _accumulate(net: StackedNetwork, x: torch.Tensor, batch_size: int
         sums[first_layer.name][1] = _data_gram(x, batch_size).clone()
     for layer in net.layers:
         if layer.name in grams:  # the input Gram -> the patches' Gram, divided by L
-            assert isinstance(layer, _Conv2d)
+            assert isinstance(layer, StackedConv2d)
             gram = sums[layer.name][1].double()
             index = _patch_index(layer, *grams[layer.name])
             a = gram[index[:, None, :], index[None, :, :]].sum(-1) / index.shape[1]
@@ -189,13 +195,13 @@ def _batch_factors(layer: object, g: torch.Tensor, grams: dict[str, tuple[int, i
     """(B, A) of one batch for a layer of one member, from its saved input and the gradient
     ``g`` of its output (before its backward pass overwrites any buffer). A convolution
     listed in ``grams`` returns its input Gram in place of A; ``skip_a``: A is not needed."""
-    if isinstance(layer, _Linear):
+    if isinstance(layer, StackedLinear):
         grads = g[0]  # [B, out]
         if skip_a:
             return grads.T @ grads, None
         a = layer.input[0]  # [B, in]
         return grads.T @ grads, a.T @ a
-    assert isinstance(layer, _Conv2d)
+    assert isinstance(layer, StackedConv2d)
     per_member = g.transpose(1, 2)[0]  # [B, O, Ho, Wo]
     per_sample = per_member.reshape(per_member.shape[0], per_member.shape[1], -1)
     b_factor = torch.bmm(per_sample, per_sample.transpose(1, 2)).sum(0)  # sum_n G_n G_n^T
