@@ -10,6 +10,7 @@ baselines inside `flwr run` (floors in :data:`BASELINES`).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,24 +18,28 @@ from pathlib import Path
 import pytest
 from conftest import LAUNCH_TIMEOUT_S
 
-from fedfusion.app.launch import launch
+from fedfusion.app.launch import ProcessTracker, launch
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = "num-clients=3 local-epochs=2 train-subset=9000 alpha=1.0 val-size=300"
+#: the smallest run that reaches the clients: 2 clients, 1 epoch on 200 rows each
+TINY = "num-clients=2 local-epochs=1 train-subset=400 alpha=1.0 val-size=100"
 
 
-def _superlinks() -> int:
-    out = subprocess.run(["pgrep", "-fc", "flower-superlink"], capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
+def _assert_nothing_left(tracker: ProcessTracker) -> None:
+    """The launch stopped every process it started (only those: other runs on the machine
+    do not count), and it did start a SuperLink, so the check is not vacuous."""
+    assert any("flower-superlink" in c for c in tracker.commands()), tracker.commands()
+    left = {pid: tracker.processes[pid][1] for pid in tracker.alive()}
+    assert not left, f"the launcher left processes running: {left}"
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> dict:
-    before = _superlinks()
-    out = tmp_path_factory.mktemp("flwr")
+    out, tracker = tmp_path_factory.mktemp("flwr"), ProcessTracker()
     results = launch(f"{COMMON} strategy=fedavg output-dir='{out}' run-name=live",
-                     timeout=LAUNCH_TIMEOUT_S)
-    assert _superlinks() == before, "the launcher must stop the SuperLink it started"
+                     timeout=LAUNCH_TIMEOUT_S, tracker=tracker)
+    _assert_nothing_left(tracker)
     return results
 
 
@@ -65,6 +70,40 @@ def test_fedavg_replay_equals_the_live_run(live, tmp_path):
                     "fedavg", "--run-config", f"output-dir='{tmp_path}' run-name=cli"],
                    check=True, cwd=REPO)
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["test"] == live["test"]
+
+
+def test_a_client_error_under_ray_names_the_original_exception(tmp_path):
+    """Flower's Ray backend wraps a ClientApp's exception as
+    RayTaskError(ClientAppException); the exclusion still names the ClientApp's own
+    ValueError and its message, and keeps the client's traceback. ``curvature-backend`` is
+    read only by the clients (after local training), so an unknown one fails each of them."""
+    tracker = ProcessTracker()
+    with pytest.raises(RuntimeError, match="the run failed") as failed:
+        launch(f"{TINY} strategy=fedbens curvature-backend='bogus_ggn' output-dir='{tmp_path}' "
+               "run-name=client-error", timeout=LAUNCH_TIMEOUT_S, tracker=tracker)
+    _assert_nothing_left(tracker)
+    excluded = json.loads((tmp_path / "client-error" / "results.json").read_text())["excluded"]
+    assert len(excluded) == 2
+    for exclusion in excluded:
+        assert exclusion["reason"].startswith("client error: ValueError: unknown backend "
+                                              "'bogus_ggn'"), exclusion["reason"]
+        assert "RayTaskError" not in exclusion["reason"]
+        assert "ClientAppActor" in exclusion["detail"] and "\x1b[" not in exclusion["detail"]
+    # the run's own error lists the exclusions by the same root cause
+    assert "client error: ValueError: unknown backend 'bogus_ggn'" in str(failed.value)
+
+
+def test_too_few_supernodes_fail_the_run_naming_the_counts(tmp_path):
+    """num-clients=3 on 2 SuperNodes: the round gives up after node-wait-timeout seconds
+    instead of waiting forever, and the launcher leaves nothing running."""
+    tracker = ProcessTracker()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "NodeWaitTimeout: [fedavg] round 1: 2 node(s) connected of the 3 required "
+            "within 5 s")):
+        launch(f"num-clients=3 train-subset=300 val-size=100 node-wait-timeout=5 "
+               f"output-dir='{tmp_path}' run-name=few-nodes", num_supernodes=2,
+               timeout=LAUNCH_TIMEOUT_S, tracker=tracker)
+    _assert_nothing_left(tracker)
 
 
 def test_a_failed_run_is_reported_as_failed(tmp_path):

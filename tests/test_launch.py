@@ -1,10 +1,24 @@
-"""The simulation launcher's own work: the App copy ``flwr run`` packs, the run config."""
+"""The simulation launcher's own work: the App copy ``flwr run`` packs, the run config,
+and stopping everything it started when interrupted."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
 
 from fedfusion.app import launch as launch_module
-from fedfusion.app.launch import APP_DIR, launch, stage_app
+from fedfusion.app.launch import (
+    APP_DIR,
+    command_line,
+    launch,
+    processes_with_env,
+    stage_app,
+)
 
 
 @pytest.mark.parametrize("app_dir", [APP_DIR, APP_DIR / "examples" / "digits"])
@@ -40,8 +54,8 @@ def test_the_launcher_sets_the_flag_only_for_apps_that_have_it(tmp_path, monkeyp
     """``launch`` runs simulations: it turns largest-client-first on unless the run config
     says otherwise, and leaves it out for an App whose run config lacks the key."""
     commands = []
-    monkeypatch.setattr(launch_module.subprocess, "run",
-                        lambda command, **_: commands.append(command))
+    monkeypatch.setattr(launch_module, "run_flwr",
+                        lambda command, *_, **__: commands.append(command))
     example = APP_DIR / "examples" / "digits"
     for run_config, app_dir in (("", APP_DIR), ("largest-client-first=false", APP_DIR),
                                 ("", example)):
@@ -50,3 +64,58 @@ def test_the_launcher_sets_the_flag_only_for_apps_that_have_it(tmp_path, monkeyp
     flags = [[item for item in command if item.startswith("largest-client-first")]
              for command in commands]
     assert flags == [["largest-client-first=true"], ["largest-client-first=false"], []]
+
+
+@pytest.mark.parametrize(("signum", "exit_code", "group"), [
+    # Ctrl-C in a terminal: to the launcher and `flwr run`
+    pytest.param(signal.SIGINT, 130, True, id="ctrl-c"),
+    # `kill <launcher>`, a CI timeout: to the launcher alone
+    pytest.param(signal.SIGTERM, 143, False, id="sigterm"),
+])
+def test_an_interrupted_launch_stops_its_run_and_leaves_no_process(
+        signum: int, exit_code: int, group: bool, tmp_path) -> None:
+    """Interrupted once the clients have their messages, the launcher stops the run on the
+    SuperLink (``flwr stop``), then every process it started, and exits 128 + the signal.
+    Its processes are told apart from any other run on the machine by a marker in their
+    environment, which all of them inherit (the SuperLink, the simulation, Ray's processes
+    and workers)."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, FEDFUSION_TEST_LAUNCH=marker, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(APP_DIR))
+    log = tmp_path / "launch.log"
+    config = (f"num-clients=2 local-epochs=100 train-subset=20000 alpha=1.0 val-size=100 "
+              f"output-dir='{tmp_path}' run-name=interrupted")  # minutes of training
+    seen: dict[int, str] = {}
+
+    def look() -> None:
+        for pid in processes_with_env("FEDFUSION_TEST_LAUNCH", marker):
+            seen.setdefault(pid, command_line(pid))
+
+    with log.open("wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "fedfusion.app.launch", "--run-config", config],
+            cwd=APP_DIR, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ("sending to 2 client(s)" in log.read_text(errors="replace") and any(
+                "default_worker" in c for c in seen.values())):
+            assert launcher.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the run did not start within 300 s"
+            look()
+            time.sleep(0.5)
+        time.sleep(2.0)
+        look()
+        (os.killpg if group else os.kill)(launcher.pid, signum)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    text = log.read_text(errors="replace")
+    assert code == exit_code, text[-3000:]
+    assert "stopped on the SuperLink" in text
+    for started in ("flower-superlink", "flwr-simulation", "raylet", "default_worker"):
+        assert any(started in c for c in seen.values()), (started, seen)
+    left = {pid: command_line(pid) for pid in processes_with_env("FEDFUSION_TEST_LAUNCH",
+                                                                   marker)}
+    assert not left, f"processes left running after the interrupt: {left}"

@@ -213,6 +213,7 @@ def test_constructor_defaults_equal_the_run_config_defaults(name):
     built from the run config's defaults."""
     cls, settings = STRATEGIES[name], Settings().to_mapping()
     for arg, key in [*cls.config_keys.items(), ("round_timeout", "round-timeout"),
+                     ("node_wait_timeout", "node-wait-timeout"),
                      ("min_valid_uploads", "min-valid-uploads")]:
         default, configured = _default(cls, arg), settings[key]
         if isinstance(default, tuple):  # a comma list in the run config

@@ -84,6 +84,7 @@ class Settings:
     server_eval_every: int = 30
     server_validation: bool = True
     round_timeout: float = 3600.0
+    node_wait_timeout: float = 600.0
     min_valid_uploads: int = 1
     member_fusion: str = ""
     norm_stats: str = "auto"
@@ -201,7 +202,7 @@ class Settings:
             raise ConfigError("run-config 'member-fusion' must be '' (the strategy's default), "
                               f"'first', 'each' or 'all', got {self.member_fusion!r}")
         for key in ("lr", "temperature", "prior-var", "server-lr", "server-clip",
-                    "round-timeout"):
+                    "round-timeout", "node-wait-timeout"):
             if getattr(self, key.replace("-", "_")) <= 0:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
@@ -402,6 +403,7 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             init_perturbation=settings.init_perturbation,
             min_valid_uploads=settings.min_valid_uploads,
             round_timeout=settings.round_timeout,
+            node_wait_timeout=settings.node_wait_timeout,
             extra_sections=[s for s in settings.extra_sections.split(",") if s],
             members=settings.member_fusion or None,
             client_config=client_config,

@@ -15,15 +15,20 @@ fails. This launcher makes a run self-contained:
   ``OPENBLAS_NUM_THREADS=1`` (see :func:`launch`);
 * ``--federation-config`` from ``[tool.fedfusion.simulation]`` in pyproject.toml, with one
   SuperNode per client (``num-clients``);
-* the SuperLink and everything it started are stopped afterwards;
+* the SuperLink and everything it started are stopped afterwards, and also when the launcher
+  is interrupted (Ctrl-C, SIGTERM) or times out: the run is stopped on the SuperLink
+  (``flwr stop``), then every process the launch started is terminated
+  (:class:`ProcessTracker`, :func:`stop_launch`), so none is left behind;
 * success is read from ``<output-dir>/<run-name>/results.json``; exit 1 if it is not "ok".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -34,6 +39,7 @@ import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[2]
@@ -45,25 +51,141 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...), or None
+    when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent, read in one pass over ``/proc``."""
+    parents = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(entry.name)
+        if fields is not None:
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
 def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return [child for child, parent in _parents().items() if parent == pid]
 
 
-def _process_tree(pid: int) -> list[int]:
+def _process_tree(pid: int, parents: dict[int, int] | None = None) -> list[int]:
+    """``pid`` and its descendants (``parents`` from :func:`_parents`, read once)."""
+    parents = _parents() if parents is None else parents
+    kids: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        kids.setdefault(parent, []).append(child)
     tree, todo = [], [pid]
     while todo:
         current = todo.pop()
         tree.append(current)
-        todo += _children(current)
+        todo += kids.get(current, [])
     return tree
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot): with the pid, the identity of a process
+    (a pid alone may be reused once its process exits)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def command_line(pid: int) -> str:
+    """``pid``'s command line, its arguments joined by spaces ("" when it is gone)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return " ".join(a.decode(errors="replace") for a in args if a)[:300]
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """The processes (of this user) whose environment holds ``key=value``. Every process a
+    launch starts inherits the launch's private ``FLWR_HOME``, including those whose parent
+    exited before they could be found in a process tree."""
+    wanted = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if wanted in environ.split(b"\0") and is_running(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+class ProcessTracker:
+    """The processes a launch started, recorded while they run.
+
+    :meth:`watch` adds, every ``interval`` seconds, the process trees under the given roots
+    and under every process seen before (a SuperLink outlives the ``flwr run`` that started
+    it, and is re-parented when that exits). :attr:`processes` maps each pid to its start
+    time and command line, so :meth:`alive` never mistakes a reused pid for one of them.
+    Pass one to :func:`launch` to learn which processes it started."""
+
+    def __init__(self) -> None:
+        #: pid -> (start time in clock ticks, command line)
+        self.processes: dict[int, tuple[int, str]] = {}
+        #: the Flower run id, once ``flwr run`` has printed it (:func:`run_flwr`)
+        self.run_id: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add_trees(self, roots: list[int]) -> None:
+        """Record the processes of the trees under ``roots`` and under every live process
+        recorded before."""
+        parents = _parents()
+        with self._lock:
+            known = [pid for pid in self.processes if self._same(pid)]
+        for root in {*roots, *known}:
+            for pid in _process_tree(root, parents):
+                started = start_time(pid)
+                if started is None:
+                    continue
+                with self._lock:
+                    if self.processes.get(pid, (None,))[0] != started:
+                        self.processes[pid] = (started, command_line(pid))
+
+    def _same(self, pid: int) -> bool:
+        recorded = self.processes.get(pid)
+        return recorded is not None and is_running(pid) and start_time(pid) == recorded[0]
+
+    def alive(self) -> list[int]:
+        """The recorded processes that still run (the same processes, not reused pids)."""
+        with self._lock:
+            pids = list(self.processes)
+        return sorted(pid for pid in pids if self._same(pid))
+
+    def commands(self) -> list[str]:
+        with self._lock:
+            return [command for _, command in self.processes.values()]
+
+    def watch(self, roots: list[int], interval: float = 1.0) -> None:
+        """Record the trees under ``roots`` now and then every ``interval`` s until
+        :meth:`stop_watching`."""
+        self.add_trees(roots)
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                self.add_trees(roots)
+
+        self._stop.clear()
+        self._thread = threading.Thread(target=loop, name="fedfusion-process-tracker",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def stop_superlink(port: int) -> int:
@@ -83,7 +205,8 @@ def stop_superlink(port: int) -> int:
 def stop_process_trees(roots: list[int], grace_s: float = 2.0) -> None:
     """SIGTERM every process in the trees under ``roots``, SIGKILL those still running after
     ``grace_s``. The trees are read first: a stopped parent's children are re-parented."""
-    victims = [p for root in roots for p in _process_tree(root)]
+    parents = _parents()
+    victims = [p for root in roots for p in _process_tree(root, parents)]
     deadline = time.monotonic() + grace_s
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in victims:
@@ -100,11 +223,8 @@ def stop_process_trees(roots: list[int], grace_s: float = 2.0) -> None:
 
 def is_running(pid: int) -> bool:
     """Whether ``pid`` exists and has not exited (a zombie, not yet reaped, has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 #: the simulation federation of an App whose pyproject.toml has no [tool.fedfusion.simulation]
@@ -176,8 +296,14 @@ def run_config_value(run_config: str, key: str) -> str | None:
 
 
 def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Path = APP_DIR,
-           timeout: float = 3 * 3600) -> dict:
-    """Run ``flwr run`` on a private local SuperLink; return the parsed results.json."""
+           timeout: float = 3 * 3600, *, tracker: ProcessTracker | None = None) -> dict:
+    """Run ``flwr run`` on a private local SuperLink; return the parsed results.json.
+
+    Every process the launch starts (``flwr run``, the SuperLink, the simulation and its Ray
+    cluster) is stopped before it returns or raises, also on Ctrl-C, SIGTERM and
+    ``timeout``; then, and only then, the run is also stopped on the SuperLink
+    (:func:`stop_launch`). ``tracker`` receives those processes (:class:`ProcessTracker`),
+    e.g. for a test that none is left."""
     federation, app_config = simulation_defaults(app_dir)
     clients = run_config_value(run_config, "num-clients")
     federation["num-supernodes"] = num_supernodes or int(clients or federation["num-supernodes"])
@@ -213,14 +339,23 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     for item in items:  # one flag per key: values with spaces need no extra quoting
         command += ["--run-config", item]
     print("$", " ".join(shlex.quote(c) for c in command), flush=True)
-    if threading.current_thread() is threading.main_thread():
-        # a SIGTERM (kill, CI timeout) must still run the `finally` that stops the SuperLink
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    tracker = ProcessTracker() if tracker is None else tracker
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    if in_main_thread:
+        # a SIGTERM (kill, CI timeout) must still run the `finally` that stops the run
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    finished = False
     try:
-        subprocess.run(command, env=env, timeout=timeout, check=False)
+        run_flwr(command, env, timeout, tracker)
+        finished = True
     finally:
-        stop_superlink(http_port)
-        shutil.rmtree(staged, ignore_errors=True)
+        try:
+            stop_launch(tracker, env, flwr_home, http_port, stop_run=not finished)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+            shutil.rmtree(staged, ignore_errors=True)
     results_file = Path(paths["output-dir"]) / run_name / "results.json"
     if not results_file.is_file():
         raise RuntimeError(f"the run wrote no {results_file}: see the log above")
@@ -228,6 +363,98 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     if results.get("status") != "ok":
         raise RuntimeError(f"the run failed: {results.get('error')}")
     return results
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+#: what ``flwr run`` prints once the SuperLink accepted the run
+_RUN_STARTED = re.compile(r"Successfully started run (\d+)")
+
+
+def run_flwr(command: list[str], env: dict[str, str], timeout: float,
+             tracker: ProcessTracker) -> int:
+    """Run ``command`` (``flwr run ... --stream``) to its end and return its exit code,
+    relaying its output line by line; ``tracker`` watches its process tree and learns the
+    run id (:attr:`ProcessTracker.run_id`) from the output. An interrupt (KeyboardInterrupt,
+    SystemExit) or ``subprocess.TimeoutExpired`` propagates with the processes running:
+    :func:`stop_launch` stops them."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    tracker.watch([process.pid])
+
+    def relay() -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.decode(errors="replace")
+            if tracker.run_id is None and (match := _RUN_STARTED.search(line)):
+                tracker.run_id = int(match.group(1))
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    relay_thread = threading.Thread(target=relay, name="fedfusion-flwr-output", daemon=True)
+    relay_thread.start()
+    code = process.wait(timeout=timeout)
+    relay_thread.join(timeout=10)
+    return code
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM inside (main thread only): a second Ctrl-C must not cut
+    the cleanup short and leave processes behind. The cleanup is bounded (timeouts)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def stop_launch(tracker: ProcessTracker, env: dict[str, str], flwr_home: Path, http_port: int,
+                stop_run: bool = True, grace_s: float = 3.0, rounds: int = 5) -> None:
+    """Leave nothing of a launch running.
+
+    With ``stop_run`` (the launch was interrupted or timed out) the run is first stopped on
+    its SuperLink (``flwr stop <run-id>``), so the SuperLink records it as stopped rather
+    than losing it mid-round. Then every process the launch started is terminated (SIGTERM,
+    SIGKILL after ``grace_s``): those ``tracker`` recorded and any still holding the launch's
+    private ``FLWR_HOME`` in its environment (a process re-parented before the tracker saw
+    it), repeated up to ``rounds`` times while a dying process spawns another."""
+    tracker.stop_watching()
+    tracker.add_trees([])
+    with _signals_held():
+        if stop_run and tracker.run_id is not None and any(
+                "flower-superlink" in tracker.processes[pid][1] for pid in tracker.alive()):
+            _flwr_stop(tracker.run_id, env)
+        for _ in range(rounds):
+            found = {*tracker.alive(), *processes_with_env("FLWR_HOME", str(flwr_home))}
+            pids = sorted(found - {os.getpid()})
+            if not pids:
+                break
+            tracker.add_trees(pids)
+            stop_process_trees(pids, grace_s)
+        stop_superlink(http_port)  # one started too late for the tracker to see
+
+
+def _flwr_stop(run_id: int, env: dict[str, str], timeout: float = 30.0) -> None:
+    """``flwr stop <run_id>`` on the launch's own SuperLink (its ``FLWR_HOME`` and ports)."""
+    flwr = Path(sys.executable).parent / "flwr"
+    try:
+        done = subprocess.run([str(flwr), "stop", str(run_id)], env=env, timeout=timeout,
+                              capture_output=True, text=True, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"fedfusion.app.launch: flwr stop {run_id} failed ({exc}); stopping the "
+              "processes", file=sys.stderr, flush=True)
+        return
+    outcome = "stopped" if done.returncode == 0 else (
+        f"not stopped (exit {done.returncode}: {(done.stdout + done.stderr).strip()[-300:]})")
+    print(f"fedfusion.app.launch: run {run_id} {outcome} on the SuperLink", file=sys.stderr,
+          flush=True)
 
 
 def _toml_item(item: str) -> str:
@@ -252,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"fedfusion.app.launch: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("fedfusion.app.launch: interrupted; the run and its processes are stopped",
+              file=sys.stderr)
+        return 130
     return 0
 
 

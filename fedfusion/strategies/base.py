@@ -31,7 +31,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
@@ -50,6 +49,8 @@ from fedfusion.payload import (
 )
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
+from fedfusion.strategies.client_errors import parse_client_error
+from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
 
 log = logging.getLogger("fedfusion")
 
@@ -112,6 +113,11 @@ COMMON_PARAMETERS = """
     round_timeout : float, default 3600.0
         Seconds to wait for the replies of a round; a node that does not reply in time is
         excluded with "no reply within N s".
+    node_wait_timeout : float, default 600.0
+        Seconds a round waits for ``min_available_nodes`` (and ``min_train_nodes``) nodes to
+        connect before it sends anything; fewer by then raise
+        :class:`~fedfusion.strategies.sampling.NodeWaitTimeout` naming how many connected
+        of how many were required (``math.inf`` waits forever, as Flower's strategies do).
     extra_sections : sequence of str, default ()
         Upload sections asked of the clients beyond the strategy's own (e.g. ``["gram"]``),
         so one client run can be replayed into other strategies.
@@ -175,6 +181,7 @@ class FusionStrategy(Strategy, ABC):
         min_available_nodes: int = 2,
         min_valid_uploads: int = 1,
         round_timeout: float = 3600.0,
+        node_wait_timeout: float = 600.0,
         extra_sections: Sequence[str] = (),
         members: str | None = None,
         client_config: Mapping[str, float] | None = None,
@@ -195,6 +202,7 @@ class FusionStrategy(Strategy, ABC):
         _check("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
         _check("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
         _check("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
+        _check("node_wait_timeout", node_wait_timeout, node_wait_timeout > 0, "> 0 seconds")
         _check("init_perturbation", init_perturbation,
                math.isfinite(init_perturbation) and init_perturbation >= 0, "a number >= 0")
         self.init_perturbation = float(init_perturbation)
@@ -216,6 +224,7 @@ class FusionStrategy(Strategy, ABC):
         self.num_members, self.fraction_train = num_members, fraction_train
         self.min_train_nodes, self.min_available_nodes = min_train_nodes, min_available_nodes
         self.min_valid_uploads, self.round_timeout = min_valid_uploads, float(round_timeout)
+        self.node_wait_timeout = float(node_wait_timeout)
         #: sections asked of the clients beyond ``required_sections`` (kept for replays)
         self.extra_sections = tuple(extra_sections)
         #: entries added to every round's train config: the client-side objective
@@ -328,10 +337,16 @@ class FusionStrategy(Strategy, ABC):
                                  else "an earlier upload"))
         return list(owner.values())
 
-    def _exclude(self, server_round: int, client: str | int, reason: str) -> None:
+    def _exclude(self, server_round: int, client: str | int, reason: str,
+                 detail: str = "") -> None:
+        """Record an exclusion; ``detail`` (e.g. a client's traceback) is kept beside the
+        one-line ``reason`` where given."""
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
                     _summarise_reason(reason))
-        self.exclusions.append({"round": server_round, "client": str(client), "reason": reason})
+        entry: dict[str, Any] = {"round": server_round, "client": str(client), "reason": reason}
+        if detail:
+            entry["detail"] = detail
+        self.exclusions.append(entry)
 
     def report(self) -> dict[str, Any]:
         """Strategy-specific diagnostics saved in results.json (e.g. optimisation traces)."""
@@ -384,10 +399,17 @@ class FusionStrategy(Strategy, ABC):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send the global arrays, the wanted upload sections and the server's architecture
-        to the sampled nodes."""
-        available = len(list(grid.get_node_ids()))
-        sample_size = max(int(available * self.fraction_train), self.min_train_nodes)
-        node_ids, _ = sample_nodes(grid, self.min_available_nodes, sample_size)
+        to the sampled nodes: once ``min_available_nodes`` (at least ``min_train_nodes``)
+        are connected, or :class:`~fedfusion.strategies.sampling.NodeWaitTimeout` after
+        ``node_wait_timeout`` seconds; sampled by a generator seeded by ``seed`` and the
+        round (:mod:`fedfusion.strategies.sampling`)."""
+        required = max(self.min_available_nodes, self.min_train_nodes)
+        available = wait_for_nodes(grid, required, self.node_wait_timeout,
+                                   where=f"[{self.name}] round {server_round}")
+        sample_size = min(max(int(len(available) * self.fraction_train), self.min_train_nodes),
+                          len(available))
+        node_ids = sample_nodes(available, sample_size,
+                                round_generator(self.context.seed, server_round))
         spec = self.context.model_spec
         config[ROUND_KEY] = server_round
         config[SECTIONS_KEY] = list(self.required_sections)
@@ -418,7 +440,10 @@ class FusionStrategy(Strategy, ABC):
             node = reply.metadata.src_node_id
             replied.add(node)
             if reply.has_error():
-                self._exclude(server_round, f"node {node}", f"client error: {reply.error.reason}")
+                # under Ray the reason is a wrapped traceback: name the ClientApp's exception
+                error = parse_client_error(reply.error.reason)
+                self._exclude(server_round, f"node {node}", f"client error: {error}",
+                              detail=error.traceback)
                 continue
             try:
                 upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
