@@ -97,9 +97,8 @@ from pathlib import Path
 import torch
 from common import REPO, live_run, section_mb, wait_for_live
 
-from fedfusion.app.config import Settings  # noqa: E402
+from fedfusion.app.config import STRATEGY_KEYS, Settings  # noqa: E402
 from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
-from fedfusion.strategies import STRATEGIES  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "real_models.json"
 README = REPO / "benchmarks" / "README.md"
@@ -232,8 +231,8 @@ def parse_overrides(sets: list[str], servers: list[str]) -> dict[str, object]:
 
 def result_keys(strategy: str, changes: dict[str, object]) -> list[str]:
     """The run-config keys among ``changes`` that can change a replay's result: the
-    strategy's own (``config_keys``) and the general fusion keys; not e.g. server-threads."""
-    own = set(STRATEGIES[strategy].config_keys.values()) | {
+    strategy's own (``STRATEGY_KEYS``) and the general fusion keys; not e.g. server-threads."""
+    own = set(STRATEGY_KEYS.get(strategy, {}).values()) | {
         "strategy", "norm-stats", "member-fusion", "server-validation", "replay-members",
         "replay-clients", "replay-client-members"}
     return [k for k in (f.replace("_", "-") for f in changes) if k in own]

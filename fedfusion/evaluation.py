@@ -7,25 +7,36 @@ ECE uses 15 equal-width confidence bins: sum_b |B_b|/N * |acc(B_b) - conf(B_b)|.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.datasets import ImageData
-
 ECE_BINS = 15
 
+
+@dataclass(frozen=True)
+class Labelled:
+    """Inputs and labels of one data set: ``x`` float ``[N, ...]``, ``y`` int64 ``[N]``
+    (the App's :class:`~fedfusion.datasets.ImageData` is one)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
 #: labelled data as users hold it: ``(x, y)`` tensors or arrays, an object with ``.x`` and
-#: ``.y`` (:class:`~fedfusion.datasets.ImageData`), or an iterable of ``(x, y)`` batches
-#: (a ``DataLoader``)
+#: ``.y`` (:class:`Labelled`), or an iterable of ``(x, y)`` batches (a ``DataLoader``)
 LabelledData = Any
 
 
-def as_labelled(data: LabelledData, what: str = "data") -> ImageData:
-    """``data`` as one :class:`~fedfusion.datasets.ImageData` (float inputs, int64 labels)."""
-    if isinstance(data, ImageData):
+def as_labelled(data: LabelledData, what: str = "data") -> Labelled:
+    """``data`` as one :class:`Labelled` (float inputs, int64 labels)."""
+    if isinstance(data, Labelled):
         return data
     if hasattr(data, "x") and hasattr(data, "y"):
         x, y = data.x, data.y
@@ -49,7 +60,7 @@ def as_labelled(data: LabelledData, what: str = "data") -> ImageData:
                         f"{tuple(y.shape)}")
     if len(x) != len(y):
         raise ValueError(f"{what}: {len(x)} inputs but {len(y)} labels")
-    return ImageData(x.float().contiguous(), y.long())
+    return Labelled(x.float().contiguous(), y.long())
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -63,6 +63,7 @@ class Settings:
     momentum: float = 0.9
     batch_size: int = 64
     client_threads: int = 1
+    accelerate: bool = True
     largest_client_first: bool = False
     # Laplace curvature (FedBEns and its curvature-based baselines)
     hessian_structure: str = "kron"
@@ -374,11 +375,36 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+#: per strategy, constructor argument -> the run-config key that sets it (each key's default
+#: in pyproject.toml equals the constructor's; tests/test_library.py checks both)
+STRATEGY_KEYS: dict[str, dict[str, str]] = {
+    "fedbens": {"hessian_structure": "hessian-structure", "temperature": "temperature",
+                "prior_var": "prior-var", "steps": "server-steps",
+                "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
+                "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
+                "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
+                "modes": "fedbens-modes"},
+    "fedfisher": {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",
+                  "lr": "fedfisher-lr", "eval_every": "fedfisher-eval-every"},
+    "pfnm": {"sigma": "pfnm-sigma", "sigma0": "pfnm-sigma0", "gamma": "pfnm-gamma",
+             "iters": "pfnm-iters"},
+    "dense": {"epochs": "dense-epochs", "batch_size": "dense-batch-size",
+              "latent_dim": "dense-latent-dim", "g_lr": "dense-g-lr", "s_lr": "dense-s-lr",
+              "g_steps": "dense-g-steps", "s_steps": "dense-s-steps",
+              "adv_weight": "dense-adv-weight", "act_weight": "dense-act-weight"},
+    "fedprox": {"prox_mu": "prox-mu"},
+    "regmean": {"alphas": "regmean-alpha"},
+    "otfusion": {"mode": "otfusion-mode"},
+    "swa": {"distance": "swa-distance", "size_weighting": "swa-size-weighting"},
+    "ams": {"top_k": "ams-top-k"},
+}
+
+
 def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | None = None,
                    device: str | torch.device = "cpu") -> FusionStrategy:
     """The run config's strategy, through its public constructor: the strategy's own knobs
-    from the run-config keys it declares (:attr:`FusionStrategy.config_keys`, whose defaults
-    equal the constructor's), the shared ones from the run's settings."""
+    from its run-config keys (:data:`STRATEGY_KEYS`, whose defaults equal the
+    constructor's), the shared ones from the run's settings."""
     from fedfusion.strategies import STRATEGIES
 
     if settings.strategy not in STRATEGIES:
@@ -408,7 +434,12 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             members=settings.member_fusion or None,
             client_config=client_config,
             norm_stats=settings.norm_stats,
-            **{arg: values[key] for arg, key in cls.config_keys.items()},
+            **{arg: values[key]
+               for arg, key in STRATEGY_KEYS.get(settings.strategy, {}).items()},
         )
     except ValueError as exc:
-        raise ConfigError(f"strategy {settings.strategy!r}: {exc}") from exc
+        keys = STRATEGY_KEYS.get(settings.strategy, {})
+        where = "; ".join(f"{arg} is run-config {key!r}" for arg, key in keys.items()
+                          if arg in str(exc))
+        raise ConfigError(f"strategy {settings.strategy!r}: {exc}"
+                          + (f" ({where})" if where else "")) from exc

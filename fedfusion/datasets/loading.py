@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfusion.evaluation import Labelled
+
 DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn")
 DATA_DIR_ENV = "FEDFUSION_DATA_DIR"
 DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -57,18 +59,12 @@ class DatasetNotFoundError(FileNotFoundError):
 
 
 @dataclass(frozen=True)
-class ImageData:
-    """Images and labels of one split.
+class ImageData(Labelled):
+    """Images and labels of one split (a :class:`fedfusion.evaluation.Labelled`).
 
     ``x`` is float32, normalised, ``[N, C, H, W]`` and contiguous; ``y`` is int64 ``[N]``.
     The tensors are shared by every caller of the (cached) loader: treat them as read-only.
     """
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
 
 
 @dataclass(frozen=True)

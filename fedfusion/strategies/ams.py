@@ -48,13 +48,11 @@ class AdaptiveModelSelection(UniformEnsemble):
 
     name = "ams"
 
-    config_keys = {"top_k": "ams-top-k"}
-
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  top_k: int = 1, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         if top_k < 0:
-            raise ValueError(f"ams-top-k must be >= 0 (0 = all clients), got {top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 = all clients), got {top_k}")
         self.top_k = top_k
 
 

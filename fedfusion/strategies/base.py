@@ -34,8 +34,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.datasets import ImageData
-from fedfusion.evaluation import LabelledData, as_labelled, resolve_device
+from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_device
 from fedfusion.normalization import NORM_STATS, recalibrate
 from fedfusion.payload import (
     WEIGHTS,
@@ -65,7 +64,7 @@ class FusionContext:
 
     model_spec: ModelSpec  # the architecture the server broadcasts
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    val: ImageData | None = None  # server validation set for model selection (may be empty)
+    val: Labelled | None = None  # server validation set for model selection (may be empty)
     seed: int = 0
 
     def spec_for(self, upload: ClientUpload) -> ModelSpec:
@@ -91,7 +90,7 @@ COMMON_PARAMETERS = """
     num_members : int, default 1
         M, the initial models the strategy broadcasts in round 1 (seeded by ``seed``); each
         client trains one member from each (FedBEns' M).
-    val : (x, y) tensors, DataLoader or ImageData, optional
+    val : (x, y) tensors, DataLoader or an object with .x and .y, optional
         Server validation set, used for model selection where a strategy has a choice.
     device : str or torch.device, default "auto"
         Where the server fuses: "auto" = CUDA when present, else the CPU.
@@ -153,8 +152,6 @@ class FusionStrategy(Strategy, ABC):
     same_architecture: ClassVar[bool] = True
     #: the accepted ``members`` values, the default first
     member_modes: ClassVar[tuple[str, ...]] = ("first", "each")
-    #: constructor argument -> run-config key of the App (whose defaults must be equal)
-    config_keys: ClassVar[Mapping[str, str]] = {}
     #: True where the predictor keeps the client models whole (their own BatchNorm statistics)
     keeps_client_models: ClassVar[bool] = False
     #: the ``norm_stats`` rule "auto" picks when a validation set is given (benchmarks/

@@ -313,10 +313,6 @@ adv_mask, eval_fraction
 
     name = "dense"
     member_modes = ("first", "all")  # teachers: member 0 of each client, or every member
-    config_keys = {"epochs": "dense-epochs", "batch_size": "dense-batch-size",
-                   "latent_dim": "dense-latent-dim", "g_lr": "dense-g-lr", "s_lr": "dense-s-lr",
-                   "g_steps": "dense-g-steps", "s_steps": "dense-s-steps",
-                   "adv_weight": "dense-adv-weight", "act_weight": "dense-act-weight"}
     required_sections = (WEIGHTS,)
 
     def __init__(

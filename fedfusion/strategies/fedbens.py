@@ -91,12 +91,6 @@ class FedBEns(FusionStrategy):
 
     name = "fedbens"
     member_modes = ("all", "first")
-    config_keys = {"hessian_structure": "hessian-structure", "temperature": "temperature",
-                   "prior_var": "prior-var", "steps": "server-steps",
-                   "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
-                   "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
-                   "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
-                   "modes": "fedbens-modes"}
 
     def __init__(
         self,

@@ -120,8 +120,6 @@ class FedFisher(FusionStrategy):
     """
 
     name = "fedfisher"
-    config_keys = {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",
-                   "lr": "fedfisher-lr", "eval_every": "fedfisher-eval-every"}
     one_shot_only = False  # one model per member index, like FedAvg: multi-round FedFisher
 
     def __init__(

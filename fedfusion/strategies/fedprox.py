@@ -30,12 +30,10 @@ class FedProx(FedAvg):
 
     name = "fedprox"
 
-    config_keys = {"prox_mu": "prox-mu"}
-
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  prox_mu: float = 0.01, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         if not prox_mu >= 0:
-            raise ValueError(f"prox-mu must be >= 0, got {prox_mu}")
+            raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
         self.client_config["prox-mu"] = float(prox_mu)
 

@@ -757,13 +757,11 @@ class OTFusion(FusionStrategy):
 
     name = "otfusion"
 
-    config_keys = {"mode": "otfusion-mode"}
-
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  mode: str = "weights", **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         if mode not in MODES:
-            raise ValueError(f"otfusion-mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self._report: dict[str, Any] = {}
         self._structures: dict[ModelSpec, Structure] = {}

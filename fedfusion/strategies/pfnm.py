@@ -286,9 +286,6 @@ class PFNM(FusionStrategy):
 
     name = "pfnm"
 
-    config_keys = {"sigma": "pfnm-sigma", "sigma0": "pfnm-sigma0", "gamma": "pfnm-gamma",
-                   "iters": "pfnm-iters"}
-
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  sigma: float = 1.0, sigma0: float = 1.0,
                  gamma: float = 1.0, iters: int = 5, **kwargs: Any):

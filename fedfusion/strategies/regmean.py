@@ -80,9 +80,9 @@ def parse_alphas(text: str) -> list[float]:
     try:
         alphas = [float(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
-        raise ValueError(f"regmean-alpha must look like '0.1,0.5,0.9', got {text!r}") from exc
+        raise ValueError(f"alphas must look like '0.1,0.5,0.9', got {text!r}") from exc
     if not alphas or not all(0.0 <= a <= 1.0 for a in alphas):
-        raise ValueError(f"regmean-alpha needs values in [0, 1], got {text!r}")
+        raise ValueError(f"alphas need values in [0, 1], got {text!r}")
     return alphas
 
 
@@ -140,8 +140,6 @@ class RegMean(FusionStrategy):
 
     name = "regmean"
     required_sections = (WEIGHTS, GRAM)
-
-    config_keys = {"alphas": "regmean-alpha"}
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  alphas: Sequence[float] | str = (0.1, 0.5, 0.9), **kwargs: Any):

@@ -80,7 +80,7 @@ def gaussianity_scores(arrays: Sequence[NumpyDict], distance: str, seed: int = 0
     one value per client, NaN where that client's tensor has no defined distance
     (:func:`~fedfusion.gaussianity.is_degenerate`); all ones for ``uniform``."""
     if distance not in SWA_DISTANCES:
-        raise ValueError(f"unknown swa-distance {distance!r}; choose one of "
+        raise ValueError(f"unknown distance {distance!r}; choose one of "
                          f"{', '.join(SWA_DISTANCES)}")
 
     def score(x: np.ndarray) -> float:
@@ -147,14 +147,12 @@ class StatisticalWeightAggregation(FedAvg):
     name = "swa"
     one_shot_only = False
 
-    config_keys = {"distance": "swa-distance", "size_weighting": "swa-size-weighting"}
-
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  distance: str = "hos",
                  size_weighting: bool = False, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         if distance not in SWA_DISTANCES:
-            raise ValueError(f"unknown swa-distance {distance!r}; choose one of "
+            raise ValueError(f"unknown distance {distance!r}; choose one of "
                              f"{', '.join(SWA_DISTANCES)}")
         self.distance = distance
         self.size_weighting = size_weighting
