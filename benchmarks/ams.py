@@ -47,9 +47,12 @@ from typing import Any
 import numpy as np
 from common import REPO
 
-from fedfusion.app.config import Settings  # noqa: E402
+from fedfusion.app.config import (
+    Settings,  # noqa: E402
+    default_model,  # noqa: E402
+)
 from fedfusion.app.federation import federated_split  # noqa: E402
-from fedfusion.client_app import client_settings, default_model, run_client  # noqa: E402
+from fedfusion.client_app import client_settings, run_client  # noqa: E402
 from fedfusion.evaluation import evaluate  # noqa: E402
 from fedfusion.predictors import ModelSpec  # noqa: E402
 from fedfusion.server_app import initial_models  # noqa: E402

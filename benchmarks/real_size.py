@@ -11,7 +11,8 @@ the server's alone. Targets: upload per member at most 4x the weights, server pe
 4 GB. Accuracy here is of a short training (the point is the cost), with FedAvg and the
 uniform ensemble of the same uploads beside it.
 
-    .venv/bin/python benchmarks/real_size.py --rows 200 --epochs 1 --server-ranks 64
+    .venv/bin/python benchmarks/real_size.py --rows 200 --epochs 1 --server-ranks 64 \
+        --server-steps 20
     .venv/bin/python benchmarks/real_size.py            # servers at ranks 128 and 64
 
 Prints a table and writes benchmarks/results/real_size.json.
@@ -87,18 +88,20 @@ def truncate(uploads: list, rank: int) -> list:
     return uploads
 
 
-def server(folder: str, queue: multiprocessing.Queue) -> None:
-    """FedBEns, FedAvg and the ensemble on the saved uploads, in a fresh process."""
+def server(folder: str, steps: int, queue: multiprocessing.Queue) -> None:
+    """FedBEns (``steps`` Adam steps per mode), FedAvg and the ensemble on the saved uploads,
+    in a fresh process."""
     torch.set_num_threads(2)
     bundle = load_dataset("fmnist", val_size=500, seed=0)
     _, uploads, failures = load_uploads(folder)
     assert not failures, failures
     val, test = (bundle.val.x, bundle.val.y), bundle.test
     start = time.perf_counter()
-    fedbens = FedBEns(SPEC, num_members=MEMBERS, val=val).fuse_uploads(uploads)
+    fedbens = FedBEns(SPEC, num_members=MEMBERS, val=val, steps=steps,
+                      eval_every=max(1, min(30, steps // 2))).fuse_uploads(uploads)
     server_s = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = {"server_s": server_s, "server_peak_bytes": peak,
+    row = {"server_s": server_s, "server_steps": steps, "server_peak_bytes": peak,
            "fedbens": evaluate(fedbens, test.x, test.y)}
     for name, cls in (("fedavg", FedAvg), ("ensemble", UniformEnsemble)):
         row[name] = evaluate(cls(SPEC, num_members=MEMBERS, val=val).fuse_uploads(uploads),
@@ -114,6 +117,9 @@ def main() -> None:
     parser.add_argument("--server-ranks", default="128,64",
                         help="the ranks whose uploads the FedBEns server also fuses (the full "
                              "factors cost the server many minutes per step on 2 cores)")
+    parser.add_argument("--server-steps", type=int, default=300,
+                        help="FedBEns Adam steps per mode (fewer: the same peak memory, which "
+                             "the mixture's factors set, in less time)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     params = sum(int(np.prod(s)) for s in SPEC.param_shapes().parameter_shapes().values())
@@ -131,8 +137,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as folder:
                 save_uploads(folder, truncated, {})
                 queue: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
-                process = multiprocessing.get_context("spawn").Process(target=server,
-                                                                       args=(folder, queue))
+                process = multiprocessing.get_context("spawn").Process(
+                    target=server, args=(folder, args.server_steps, queue))
                 process.start()
                 row = queue.get()
                 process.join()
@@ -146,6 +152,7 @@ def main() -> None:
                   f"{row['fedbens']['accuracy']:.4f}" if "server_s" in row else
                   " (server not run)"), flush=True)
     result = {"model": SPEC.to_dict(), "parameters": params, "clients": CLIENTS,
+              "server_steps": args.server_steps,
               "members": MEMBERS, "rows_per_client": args.rows, "epochs": args.epochs,
               "train_s_per_member": info["train_s_per_member"],
               "kron_fit_s_per_member": info["kron_fit_s_per_member"], "rows": rows}

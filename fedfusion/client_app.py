@@ -32,7 +32,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedfusion import setup_logging
-from fedfusion.app.config import Settings
+from fedfusion.app.config import Settings, default_model
 from fedfusion.app.federation import client_for_partition, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
@@ -47,11 +47,6 @@ NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "clien
                   "accelerate", "partition-file", "data-dir")
 
 app = ClientApp()
-
-
-def default_model(settings: Settings, input_shape: Sequence[int]) -> str:
-    """The run's model: ``model`` if set, else LeNet for 1-channel and the CNN for 3-channel."""
-    return settings.model or ("lenet" if input_shape[0] == 1 else "cnn")
 
 
 @dataclass(frozen=True)

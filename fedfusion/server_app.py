@@ -26,10 +26,9 @@ from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedfusion import setup_logging
-from fedfusion.app.config import ConfigError, Settings, build_strategy
+from fedfusion.app.config import ConfigError, Settings, build_strategy, default_model
 from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.architecture import ModelSpec
-from fedfusion.client_app import default_model
 from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import save_predictor
@@ -158,7 +157,12 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
     use_val = settings.server_validation and len(bundle.val) > 0
-    strategy = build_strategy(settings, spec, bundle.val if use_val else None, device)
+    sink = None
+    if uploads is None and settings.save_uploads and settings.num_rounds == 1:
+        def sink(ups: list[ClientUpload]) -> None:
+            save_uploads(folder / "uploads", ups, settings.to_mapping())
+    strategy = build_strategy(settings, spec, bundle.val if use_val else None, device,
+                              upload_sink=sink)
     context = strategy.context
     results["excluded"] = strategy.exclusions  # kept in results.json even if the run fails
     if strategy.one_shot_only and settings.num_rounds > 1:
@@ -181,15 +185,12 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     if uploads is not None:
         results["replay_of"] = str(Path(settings.replay).resolve())
         for client, reason in failures:  # cached clients that did not load
-            strategy._exclude(1, client, reason)
+            strategy.exclude(1, client, reason)
         strategy.fuse_uploads(uploads)
         evaluate_predictor(1)
     else:
         if grid is None:
             raise ValueError("a live run needs a Flower grid; pass replay=<folder> to replay")
-        if settings.save_uploads and settings.num_rounds == 1:
-            strategy.upload_sink = lambda ups: save_uploads(folder / "uploads", ups,
-                                                            settings.to_mapping())
         strategy.start(
             grid,
             num_rounds=settings.num_rounds,

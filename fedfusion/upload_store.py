@@ -121,8 +121,8 @@ def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES
 def _read_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST
     if not path.is_file():
-        raise UploadStoreError(f"{path} not found: is {root} an upload folder written by a run "
-                               "with save-uploads=true?")
+        raise UploadStoreError(f"{path} not found: is {root} an upload folder written by "
+                               "fedfusion.upload_store.save_uploads?")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise UploadStoreError(f"{path} is {size} bytes, above the cap {MAX_MANIFEST_BYTES}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -377,6 +377,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 #: per strategy, constructor argument -> the run-config key that sets it (each key's default
 #: in pyproject.toml equals the constructor's; tests/test_library.py checks both)
+def default_model(settings: Settings, input_shape: Sequence[int]) -> str:
+    """The run's model: ``model`` if set, else LeNet for 1-channel and the CNN for 3-channel."""
+    return settings.model or ("lenet" if input_shape[0] == 1 else "cnn")
+
+
 STRATEGY_KEYS: dict[str, dict[str, str]] = {
     "fedbens": {"hessian_structure": "hessian-structure", "temperature": "temperature",
                 "prior_var": "prior-var", "steps": "server-steps",
@@ -401,10 +406,11 @@ STRATEGY_KEYS: dict[str, dict[str, str]] = {
 
 
 def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | None = None,
-                   device: str | torch.device = "cpu") -> FusionStrategy:
+                   device: str | torch.device = "cpu", **kwargs: Any) -> FusionStrategy:
     """The run config's strategy, through its public constructor: the strategy's own knobs
     from its run-config keys (:data:`STRATEGY_KEYS`, whose defaults equal the
-    constructor's), the shared ones from the run's settings."""
+    constructor's), the shared ones from the run's settings; ``kwargs`` go to the
+    constructor as they are (e.g. ``upload_sink``)."""
     from fedfusion.strategies import STRATEGIES
 
     if settings.strategy not in STRATEGIES:
@@ -434,6 +440,7 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             members=settings.member_fusion or None,
             client_config=client_config,
             norm_stats=settings.norm_stats,
+            **kwargs,
             **{arg: values[key]
                for arg, key in STRATEGY_KEYS.get(settings.strategy, {}).items()},
         )

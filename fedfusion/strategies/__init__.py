@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from fedfusion.strategies.ams import AdaptiveModelSelection
-from fedfusion.strategies.base import FusionStrategy
+from fedfusion.strategies.base import FusionResult, FusionStrategy
 from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
@@ -41,6 +41,7 @@ __all__ = [
     "FedFisher",
     "FedProx",
     "FisherMerge",
+    "FusionResult",
     "FusionStrategy",
     "OTFusion",
     "RegMean",

@@ -133,7 +133,25 @@ COMMON_PARAMETERS = """
         the sample-weighted average of the clients', re-estimated on ``val``'s inputs, or
         each client's own where the predictor keeps client models. "auto": "client" for
         those predictors, else the strategy's measured default with ``val``, else "average".
+    upload_sink : callable, optional
+        Called with each round's valid uploads before they are fused, so they are kept even
+        if fusion fails (e.g. ``fedfusion.upload_store.save_uploads`` to a folder).
 """
+
+
+@dataclass
+class FusionResult(Result):
+    """Flower's :class:`~flwr.serverapp.strategy.Result` of a fedfusion run.
+
+    ``arrays``: where the fusion is ONE model (FedAvg, FedFisher, RegMean, Fisher merging,
+    OTFusion, DENSE, SWA, PFNM with one member), its plain ``state_dict`` as an ``ArrayRecord``
+    (``model.load_state_dict(result.arrays.to_torch_state_dict())``, as any Flower code does);
+    where it is several (FedBEns' modes, ``members="each"``, the ensemble, AMS), every model in
+    fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.payload.decode_models`).
+    ``predictor``: the fused predictor itself (log-probabilities, :mod:`fedfusion.predictors`),
+    also :attr:`FusionStrategy.predictor`."""
+
+    predictor: nn.Module | None = None
 
 
 class FusionStrategy(Strategy, ABC):
@@ -183,6 +201,7 @@ class FusionStrategy(Strategy, ABC):
         members: str | None = None,
         client_config: Mapping[str, float] | None = None,
         norm_stats: str = "auto",
+        upload_sink: Callable[[list[ClientUpload]], None] | None = None,
     ):
         val_data = as_labelled(val, "val") if val is not None else None
         spec = ModelSpec.from_model_fn(model_fn)
@@ -230,7 +249,7 @@ class FusionStrategy(Strategy, ABC):
         self.exclusions: list[dict[str, Any]] = []
         self.predictor: nn.Module | None = None
         #: called with the valid uploads before fusing, so they are kept even if fusion fails
-        self.upload_sink: Callable[[list[ClientUpload]], None] | None = None
+        self.upload_sink = upload_sink
         self.fuse_seconds = 0.0
         #: BatchNorm layers whose statistics the last fusion re-estimated (``norm_stats``)
         self.recalibrated_layers = 0
@@ -259,7 +278,7 @@ class FusionStrategy(Strategy, ABC):
                 self._check_architecture(upload)
                 validate_upload(upload, self.context.param_shapes, self.required_sections)
             except UploadError as exc:
-                self._exclude(server_round, exc.client, exc.problem)
+                self.exclude(server_round, exc.client, exc.problem)
                 continue
             valid.append(upload)
         return self._fuse_valid(self._unique_clients(valid, server_round), server_round)
@@ -328,16 +347,17 @@ class FusionStrategy(Strategy, ABC):
             first = owner.setdefault(upload.client_id, upload)
             if first is not upload:
                 who = f"node {upload.node_id}" if upload.node_id is not None else "a duplicate"
-                self._exclude(server_round, who,
+                self.exclude(server_round, who,
                               f"claims client id {upload.client_id}, already uploaded by "
                               + (f"node {first.node_id}" if first.node_id is not None
                                  else "an earlier upload"))
         return list(owner.values())
 
-    def _exclude(self, server_round: int, client: str | int, reason: str,
-                 detail: str = "") -> None:
-        """Record an exclusion; ``detail`` (e.g. a client's traceback) is kept beside the
-        one-line ``reason`` where given."""
+    def exclude(self, server_round: int, client: str | int, reason: str,
+                detail: str = "") -> None:
+        """Record that ``client`` is left out of ``server_round`` (in :attr:`exclusions` and
+        the log), e.g. a cached upload that did not load; ``detail`` (a client's traceback)
+        is kept beside the one-line ``reason`` where given."""
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
                     _summarise_reason(reason))
         entry: dict[str, Any] = {"round": server_round, "client": str(client), "reason": reason}
@@ -377,20 +397,27 @@ class FusionStrategy(Strategy, ABC):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
+    ) -> FusionResult:
         """Flower's ``Strategy.start`` with fedfusion's defaults: one round, the strategy's
         own seeded initial models (:meth:`initial_models`) unless ``initial_arrays`` is given
         (fedfusion's ``"<m>/<param>"`` broadcast, or a plain ``ArrayRecord`` of one model's
-        ``state_dict``), and ``round_timeout`` as the timeout."""
+        ``state_dict``), and ``round_timeout`` as the timeout. Returns a :class:`FusionResult`:
+        a one-model fusion as a plain ``state_dict`` record, the predictor beside it."""
         if initial_arrays is None:
             initial_arrays = encode_models(self.initial_models())
         elif initial_arrays and not all("/" in key for key in initial_arrays):
             # a plain Flower ArrayRecord(model.state_dict()): one model, member 0
             initial_arrays = encode_models([{k: a.numpy() for k, a in initial_arrays.items()}])
-        return super().start(grid, initial_arrays, num_rounds,
-                             timeout=self.round_timeout if timeout is None else timeout,
-                             train_config=train_config, evaluate_config=evaluate_config,
-                             evaluate_fn=evaluate_fn)
+        result = super().start(grid, initial_arrays, num_rounds,
+                               timeout=self.round_timeout if timeout is None else timeout,
+                               train_config=train_config, evaluate_config=evaluate_config,
+                               evaluate_fn=evaluate_fn)
+        arrays = result.arrays
+        if isinstance(self.predictor, Ensemble) and len(self.predictor.members) == 1:
+            arrays = ArrayRecord(self.predictor.members[0].state_dict())
+        return FusionResult(arrays, result.train_metrics_clientapp,
+                            result.evaluate_metrics_clientapp,
+                            result.evaluate_metrics_serverapp, predictor=self.predictor)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -439,7 +466,7 @@ class FusionStrategy(Strategy, ABC):
             if reply.has_error():
                 # under Ray the reason is a wrapped traceback: name the ClientApp's exception
                 error = parse_client_error(reply.error.reason)
-                self._exclude(server_round, f"node {node}", f"client error: {error}",
+                self.exclude(server_round, f"node {node}", f"client error: {error}",
                               detail=error.traceback)
                 continue
             try:
@@ -447,7 +474,7 @@ class FusionStrategy(Strategy, ABC):
                                        self.required_sections)
                 self._check_architecture(upload)
             except UploadError as exc:
-                self._exclude(server_round, exc.client, exc.problem)
+                self.exclude(server_round, exc.client, exc.problem)
                 continue
             upload.node_id = node
             log.info("[%s] round %d: client %d (node %d): %d member(s), %d examples, %.2f MB",
@@ -456,7 +483,7 @@ class FusionStrategy(Strategy, ABC):
             valid.append(upload)
         for node in self._sent_to:
             if node not in replied:
-                self._exclude(server_round, f"node {node}",
+                self.exclude(server_round, f"node {node}",
                               f"no reply within {self.round_timeout:g} s")
         valid.sort(key=lambda u: u.node_id)  # replies come in any order: lowest node id first
         predictor = self._fuse_valid(self._unique_clients(valid, server_round), server_round)

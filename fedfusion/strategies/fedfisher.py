@@ -139,7 +139,7 @@ class FedFisher(FusionStrategy):
         super().__init__(model_fn, **kwargs)
         if hessian_structure not in VARIANTS:
             raise ValueError(
-                f"fedfisher needs hessian-structure 'kron' (FedFisher K-FAC) or 'diag' "
+                f"fedfisher needs hessian_structure 'kron' (FedFisher K-FAC) or 'diag' "
                 f"(FedFisher Diag), got {hessian_structure!r}")
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"fedfisher optimizer must be 'adam' or 'sgd', got {optimizer!r}")

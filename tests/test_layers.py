@@ -1,0 +1,207 @@
+"""The package's layers (issue 25, item 6), checked from the source: imports point down and
+never in a circle, the library stays free of the App, of Flower's private modules and of the
+optional native code, and what ``start()`` returns is usable by any Flower code."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+from conftest import label_skewed_fmnist, sgd
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fedfusion import LocalGrid, client
+from fedfusion.app.config import Settings
+from fedfusion.payload import decode_models
+from fedfusion.strategies import FedAvg, FedBEns, FusionResult
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fedfusion"
+#: the Flower App and what only it uses (data sets); everything else is the library
+APP = ("fedfusion.app", "fedfusion.server_app", "fedfusion.client_app", "fedfusion.datasets")
+ACCEL = "fedfusion.accel"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(name: str) -> list[tuple[str, bool]]:
+    """(imported fedfusion module, at module level?) for every import in module ``name``,
+    ``from a import b`` resolved to ``a.b`` where that is a module."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target.startswith("fedfusion") and target not in (name, "fedfusion"):
+                found.append((target, id(node) in top_level))
+    return found
+
+
+GRAPH = {name: {t for t, _ in imports(name)} for name in MODULES}
+
+
+def cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_sees_the_imports_it_must():
+    """A checker that finds nothing passes everything: it must see known edges."""
+    assert "fedfusion.payload" in GRAPH["fedfusion.client"]
+    assert "fedfusion.accel.kernels" in GRAPH["fedfusion.accel.stacked"]
+    assert ("fedfusion.accel.stacked", False) in imports("fedfusion.training")  # lazy import
+    assert "fedfusion.app.config" in GRAPH["fedfusion.server_app"]
+
+
+def test_no_import_cycles():
+    assert cycles() == []
+
+
+def test_the_library_never_imports_the_app():
+    leaks = sorted((m, t) for m, targets in GRAPH.items() for t in targets
+                   if not m.startswith(APP) and t.startswith(APP))
+    assert leaks == []
+
+
+def test_native_code_is_imported_only_on_request():
+    """Library modules reach fedfusion.accel only inside functions (when asked); accel
+    itself depends on nothing above it."""
+    eager = sorted((m, t) for m in MODULES if not m.startswith((ACCEL, *APP))
+                   for t, top in imports(m) if top and t.startswith(f"{ACCEL}."))
+    assert eager == []
+    upward = sorted((m, t) for m in MODULES if m.startswith(ACCEL)
+                    for t in GRAPH[m] if not t.startswith(ACCEL) and t != "fedfusion.loss_terms")
+    assert upward == []
+
+
+def test_no_private_flower_imports_or_attributes():
+    bad = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flwr"):
+                module = node.module or ""
+                if any(part.startswith("_") for part in module.split(".")) or \
+                        module.endswith("strategy_utils") or \
+                        any(a.name.startswith("_") for a in node.names):
+                    bad.append(f"{name}: from {module} import ...")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                    not node.attr.startswith("__") and isinstance(node.value, ast.Name) and \
+                    node.value.id in {"TaskIdentity", "Message", "Grid", "Strategy", "Result"}:
+                bad.append(f"{name}: {node.value.id}.{node.attr}")
+    assert bad == []
+
+
+def _error_messages(path: Path) -> list[str]:
+    """The string parts of every ``raise X(...)`` in ``path``."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            for sub in ast.walk(node.exc):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    texts.append(sub.value)
+    return texts
+
+
+def test_library_errors_do_not_speak_in_run_config_keys():
+    """A library user passes constructor arguments; the App adds its run-config key to
+    the message (app.config.build_strategy). Keys that are also wire names (the train
+    config's ``model-kwargs``) are not the App's."""
+    keys = {f.name.replace("_", "-") for f in dataclasses.fields(Settings) if "_" in f.name}
+    wire = {"model-kwargs", "num-members"}
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(APP):
+            continue
+        for text in _error_messages(path):
+            found += [f"{name}: {key!r} in {text!r}" for key in keys - wire
+                      if re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", text)]
+    assert found == []
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 5, stride=2)
+        self.fc = nn.Linear(4 * 12 * 12, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_start_returns_a_result_flower_code_can_use():
+    data = label_skewed_fmnist(150, 60, 100)
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        x, y = data[f"client{context.node_config['partition-id']}"]
+        models = client.initial_models(msg, Net)
+        for m, model in enumerate(models):
+            sgd(model, x, y, epochs=1, seed=m)
+        return client.reply(msg, models, x, y)
+
+    result = FedAvg(Net, num_clients=3).start(LocalGrid(app, num_nodes=3))
+    assert isinstance(result, FusionResult)
+    model = Net()
+    model.load_state_dict(result.arrays.to_torch_state_dict())  # plain Flower use, strict
+    x = data["test"][0][:16]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.log_softmax(model(x), -1), result.predictor(x))
+
+    result = FedBEns(Net, num_clients=3, num_members=2, steps=4, eval_every=2).start(
+        LocalGrid(app, num_nodes=3))
+    modes = decode_models(result.arrays)  # several models: the documented encoding
+    assert len(modes) == len(result.predictor.members) == 2
+    assert result.predictor is not None
