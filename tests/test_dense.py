@@ -7,16 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import InProcessGrid
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.app.config import Settings
 from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.payload import ClientUpload
-from fedfusion.predictors import ModelSpec
-from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES
+from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.strategies.dense import (
     Dense,
     LogitEnsemble,
@@ -332,21 +328,20 @@ def test_one_client_is_distilled_into_a_random_student_that_agrees_on_real_image
     assert dense.best["val_accuracy"] > dense.trace[0]["val_accuracy"] + 0.3
 
 
-def test_fmnist_federation_beats_the_fedavg_student_it_starts_from(tmp_path, monkeypatch,
-                                                                   one_thread):
-    """3 clients on real FMNIST, 40 DENSE iterations (generator lr 5e-3 for so short a run):
-    test accuracy above 53% and 2 points above the untrained student, i.e. the FedAvg of the
-    same uploads (replayed). Measured: 56.6% against FedAvg 51.2% (ensemble 64.7%)."""
-    monkeypatch.setitem(STRATEGIES, Dense.name, Dense)  # the lead registers it for real
-    settings = Settings(strategy="dense", num_clients=3, train_subset=9000, local_epochs=2,
-                        alpha=0.5, val_size=300, output_dir=str(tmp_path), run_name="x",
-                        dense_epochs=40, dense_g_lr=0.005)
-    results = run_server(settings, InProcessGrid(settings))
+def test_fmnist_federation_beats_the_fedavg_student_it_starts_from(fmnist_split, one_thread):
+    """The shared 3-client real FMNIST split (conftest.fmnist_split, replayed), 40 DENSE
+    iterations (generator lr 5e-3 for so short a run): the distilled student must beat the
+    FedAvg of the same uploads, the student it starts from (what a DENSE that does not distil
+    returns), by 3 points. Measured: 57.0% against FedAvg 50.9% (the teacher, the uniform
+    ensemble, 64.2%)."""
+    results = fmnist_split.replay("dense", dense_epochs=40, dense_g_lr=0.005)
+    fedavg = fmnist_split.replay("fedavg")
+    print(results["test"], fedavg["test"])
+    assert results["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.03  # measured +6.2
+    # one student network, not the teacher ensemble it distils (the other lazy answer: 64.2%)
+    student = load_predictor(f"{results['output_dir']}/predictor.pt")
+    assert len(student.members) == 1
     report = results["strategy_report"]
     assert results["status"] == "ok" and report["stats_term"] == "input"
     assert [e["iteration"] for e in report["trace"]] == list(range(0, 41, 4))
     assert report["best"]["iteration"] > 0
-    fedavg = run_server(settings.replace(strategy="fedavg", run_name="fedavg",
-                                         replay=str(tmp_path / "x" / "uploads")))
-    assert results["test"]["accuracy"] > 0.53
-    assert results["test"]["accuracy"] > fedavg["test"]["accuracy"] + 0.02

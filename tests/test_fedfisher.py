@@ -4,19 +4,16 @@ elementwise brute force on tiny nets, degenerate cases, and a real-FMNIST federa
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
-from conftest import InProcessGrid
 from test_fedbens import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.payload import ClientUpload
-from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES
 from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
@@ -91,10 +88,12 @@ def test_diag_optimum_is_the_closed_form_and_fisher_merge():
     (mode,) = strategy.optimise(start, problem)
     fishers = [curvature_from_arrays("diag", u.members[0]["curvature.diag"], SHAPES, 1.0,
                                      1.0 / strategy.damping) for u in uploads]
+    closed_forms = {}
     for name in NAMES:
         precision = [f.precision_diag(name).double().numpy() for f in fishers]
         closed = (sum(p * u.weights(0)[name] for p, u in zip(precision, uploads, strict=True))
                   / sum(precision))
+        closed_forms[name] = closed
         assert np.abs(closed - start[0][name]).max() > 0.05  # the optimiser had to move
         np.testing.assert_allclose(mode[name].numpy(), closed, atol=1e-6)
     merged, fallbacks = fisher_merge([u.weights(0) for u in uploads],
@@ -104,6 +103,10 @@ def test_diag_optimum_is_the_closed_form_and_fisher_merge():
     assert fallbacks == 0
     for name in NAMES:
         np.testing.assert_allclose(mode[name].numpy(), merged[name], atol=1e-5)
+    # the strategy's entry point returns that optimum (FedAvg's start is > 0.05 away)
+    (fused,) = strategy.fuse_uploads(uploads).members
+    for name, value in fused.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), closed_forms[name], atol=1e-5)
 
 
 @pytest.mark.parametrize("optimizer,steps", [("adam", 400), ("sgd", 400)])
@@ -272,46 +275,37 @@ def test_fisher_merge_merges_each_member_index_over_its_holders():
 
 
 # ---------------------------------------------------------------------- real FMNIST
-@pytest.fixture(scope="module")
-def fmnist_fedfisher(tmp_path_factory) -> Iterator[tuple[Settings, dict]]:
-    """One live FedFisher (K-FAC) federation, C=3, M=1, 2 epochs on a 9,000-sample FMNIST
-    subset, whose clients also upload ``curvature.diag`` for the replays below."""
-    with pytest.MonkeyPatch.context() as patch:
-        for cls in (FedFisher, FisherMerge):
-            patch.setitem(STRATEGIES, cls.name, cls)
-        settings = Settings(strategy="fedfisher", num_clients=3, train_subset=9000,
-                            local_epochs=2, alpha=0.5, val_size=300, fedfisher_steps=500,
-                            extra_sections="curvature.diag",
-                            output_dir=str(tmp_path_factory.mktemp("fmnist")), run_name="live")
-        live = run_server(settings, InProcessGrid(settings))
-        yield settings, live
+# the shared 3-client Dirichlet 0.5 split (conftest.fmnist_split), replayed: FedAvg of the
+# same uploads is what a lazy FedFisher / Fisher merging would return
 
 
-def replay(settings: Settings, live: dict, **changes: object) -> dict:
-    return run_server(settings.replace(replay=str(live["output_dir"] + "/uploads"), **changes))
-
-
-def test_fedfisher_on_real_fmnist(fmnist_fedfisher):
-    """Floor: 55% test accuracy for K-FAC and Diag (chance 10%; measured 62% / 63%, FedAvg of
-    the same uploads 51%), selected on the validation set."""
-    settings, live = fmnist_fedfisher
-    assert live["test"]["accuracy"] >= 0.55
-    report = live["strategy_report"]
+def test_fedfisher_on_real_fmnist(fmnist_split):
+    """K-FAC and Diag, 500 steps, selected on the validation set, must beat FedAvg of the same
+    uploads by 8 points (a FedAvg stub: +0). Measured: K-FAC 64.6%, Diag 63.6%, FedAvg 50.9%
+    (the uniform ensemble 64.2%)."""
+    fedavg = fmnist_split.replay("fedavg")["test"]["accuracy"]
+    kfac = fmnist_split.replay("fedfisher", fedfisher_steps=500)
+    print(kfac["test"], fedavg)
+    assert kfac["test"]["accuracy"] >= fedavg + 0.08  # measured +13.8
+    report = kfac["strategy_report"]
     assert (report["variant"], report["selection"], report["steps"]) == ("K-FAC", "validation",
                                                                          500)
-    diag = replay(settings, live, hessian_structure="diag", run_name="diag")
+    diag = fmnist_split.replay("fedfisher", fedfisher_steps=500, hessian_structure="diag")
+    print(diag["test"])
     assert diag["strategy_report"]["variant"] == "Diag"
-    assert diag["test"]["accuracy"] >= 0.55
+    assert diag["test"]["accuracy"] >= fedavg + 0.08  # measured +12.8
 
 
-def test_fisher_merge_on_real_fmnist(fmnist_fedfisher):
-    """Floor: 55% test accuracy (chance 10%; measured 63%). FedFisher (Diag) converges to the
-    same point (its optimum is Fisher merging up to the damping), so their accuracies agree."""
-    settings, live = fmnist_fedfisher
-    merged = replay(settings, live, strategy="fisher-merge", run_name="merge")
+def test_fisher_merge_on_real_fmnist(fmnist_split):
+    """Fisher merging must beat FedAvg of the same uploads by 8 points (measured 63.5% vs
+    50.9%). FedFisher (Diag) converges to the same point (its optimum is Fisher merging up to
+    the damping), so their accuracies agree."""
+    fedavg = fmnist_split.replay("fedavg")["test"]["accuracy"]
+    merged = fmnist_split.replay("fisher-merge")
+    print(merged["test"], fedavg)
     assert merged["strategy"] == "fisher-merge"
-    assert merged["test"]["accuracy"] >= 0.55
+    assert merged["test"]["accuracy"] >= fedavg + 0.08  # measured +12.7
     assert merged["strategy_report"]["fedavg_fallback_entries"][0] > 0  # Fisher-free weights
-    diag = replay(settings, live, hessian_structure="diag", fedfisher_steps=1000,
-                  server_validation=False, run_name="diag-final")  # best objective: converged
+    diag = fmnist_split.replay("fedfisher", hessian_structure="diag", fedfisher_steps=1000,
+                               server_validation=False)  # best objective: converged
     assert abs(diag["test"]["accuracy"] - merged["test"]["accuracy"]) <= 0.01

@@ -26,6 +26,7 @@ from fedfusion.strategies import (
     FedAvg,
     FedBEns,
     RegMean,
+    UniformEnsemble,
 )
 from fedfusion.strategies.base import FusionStrategy, _summarise_reason
 
@@ -78,17 +79,41 @@ def test_fedbens_regmean_and_ams_fuse_a_users_model_through_its_own_client_app(f
     assert seen == [(["weights", "curvature.kron"], ["gram"])] * 3
     assert not fedbens.exclusions and [u.num_members for u in fedbens.uploads] == [2, 2, 2]
     assert fedbens.uploads[0].model == "UserNet"  # the name the server knows the model by
-    accuracy = {"fedbens": evaluate(fedbens.predictor, *fmnist["test"])["accuracy"]}
-    # the same uploads into the baselines (each keeps member 0 of each client)
+    x_test, y_test = fmnist["test"]
+    metrics = {"fedbens": evaluate(fedbens.predictor, x_test, y_test)}
+    # the same uploads into the baselines (RegMean and FedAvg keep member 0 of each client;
+    # AMS, the ensemble and "fedavg-each" every member)
     for name, strategy in [("regmean", RegMean(UserNet, val=fmnist["val"])),
                            ("ams", AdaptiveModelSelection(UserNet)),
-                           ("fedavg", FedAvg(UserNet))]:
-        accuracy[name] = evaluate(strategy.fuse_uploads(fedbens.uploads),
-                                  *fmnist["test"])["accuracy"]
-    # each client saw 6 of 10 classes, 600 rows, 3 epochs. Measured: FedBEns 51%, RegMean 52%,
-    # AMS 46%, FedAvg 37% (chance 10%): the fusions must beat one-shot FedAvg clearly
+                           ("ensemble", UniformEnsemble(UserNet)),
+                           ("fedavg", FedAvg(UserNet)),
+                           ("fedavg-each", FedAvg(UserNet, members="each"))]:
+        metrics[name] = evaluate(strategy.fuse_uploads(fedbens.uploads), x_test, y_test)
+    accuracy = {name: m["accuracy"] for name, m in metrics.items()}
+    print(metrics)
+    # each client saw 6 of 10 classes, 600 rows, 3 epochs. Measured: FedBEns 51.2%, RegMean
+    # 52.1%, FedAvg 36.8% (of each member index: 39.6%): the fusions must beat one-shot FedAvg
+    # clearly (measured +14.4 / +15.3; FedBEns +11.5 over FedAvg of each member index)
     assert min(accuracy["fedbens"], accuracy["regmean"]) >= accuracy["fedavg"] + 0.08, accuracy
-    assert accuracy["ams"] >= 0.40 and accuracy["fedavg"] >= 0.25, accuracy
+    assert accuracy["fedbens"] >= accuracy["fedavg-each"] + 0.05, accuracy
+    # and FedBEns is not the uniform ensemble of its uploads (measured 47.8%, +3.4 for FedBEns;
+    # the ensemble's NLL is the better one here, 1.19 against 1.78)
+    assert accuracy["fedbens"] >= accuracy["ensemble"] + 0.01, accuracy
+    # AMS (measured 46.0%) is below the uniform ensemble of the same 6 models (47.8%)
+    # here, so an accuracy floor cannot tell it from a lazy selector: its predictions must be
+    # the max-logit selection, computed by hand from the uploaded models on the test rows
+    models = []
+    for upload in fedbens.uploads:
+        for m in range(upload.num_members):
+            models.append(UserNet())
+            models[-1].load_state_dict({k: torch.from_numpy(v)
+                                        for k, v in upload.weights(m).items()})
+    with torch.no_grad():
+        logits = torch.stack([model.eval()(x_test) for model in models])
+    chosen = logits.max(2).values.argmax(0)  # per row, the model with the highest max logit
+    by_hand = logits[chosen, torch.arange(len(y_test))].argmax(1)
+    assert accuracy["ams"] == pytest.approx(float((by_hand == y_test).float().mean()),
+                                            abs=1e-6)
 
 
 def test_plain_python_upload_from_models_and_fuse(fmnist):
@@ -111,7 +136,11 @@ def test_plain_python_upload_from_models_and_fuse(fmnist):
     for a, b in zip(by_tuple.state_dict().values(), by_loader.state_dict().values(),
                     strict=True):
         torch.testing.assert_close(a, b)
-    assert evaluate(by_tuple, *fmnist["test"])["accuracy"] >= 0.45
+    # clients from one init, 6 of 10 classes each: RegMean must beat FedAvg of the same
+    # uploads by 8 points (measured: 46.2% against 29.8%)
+    regmean = evaluate(by_tuple, *fmnist["test"])["accuracy"]
+    fedavg = evaluate(FedAvg(UserNet).fuse_uploads(uploads), *fmnist["test"])["accuracy"]
+    assert regmean >= fedavg + 0.08, (regmean, fedavg)
 
 
 def test_members_default_is_member_zero_for_single_model_baselines(fmnist):
@@ -221,15 +250,52 @@ def test_constructor_defaults_equal_the_run_config_defaults(name):
         assert default == configured, f"{name}: {arg}={default!r} but {key}={configured!r}"
 
 
-def test_every_strategy_documents_every_argument():
-    for cls in STRATEGIES.values():
-        doc = inspect.getdoc(cls) or ""
-        for klass in cls.__mro__:
-            if not issubclass(klass, FusionStrategy):
-                continue
-            for arg in inspect.signature(klass.__init__).parameters:
-                if arg not in ("self", "kwargs"):
-                    assert re.search(rf"\b{arg}\b", doc), f"{cls.__name__} lacks {arg!r} doc"
+def documented_parameters(doc: str) -> dict[str, str]:
+    """The numpydoc ``Parameters`` section of ``doc``: each entry's name(s) (``name : type``
+    at the section's indentation, ``a, b : type`` for several, the type optional) -> its
+    indented description; the section ends at the next ``Title`` / ``-----`` header."""
+    lines = doc.splitlines()
+    starts = [i for i in range(len(lines) - 1) if lines[i].strip() == "Parameters"
+              and set(lines[i + 1].strip()) == {"-"}]
+    assert len(starts) == 1, "no (or more than one) numpydoc 'Parameters' section"
+    entries: dict[str, str] = {}
+    names: list[str] = []
+    for i in range(starts[0] + 2, len(lines)):
+        line = lines[i]
+        if i + 1 < len(lines) and line.strip() and set(lines[i + 1].strip()) == {"-"}:
+            break  # the next section
+        entry = re.fullmatch(r"(\w+(?:\s*,\s*\w+)*)(?:\s+:.*)?", line)
+        if entry:
+            names = [n.strip() for n in entry.group(1).split(",")]
+            entries.update(dict.fromkeys(names, ""))
+        elif line.startswith((" ", "\t")) and names:
+            for name in names:
+                entries[name] += line.strip() + " "
+    return entries
+
+
+def test_documented_parameters_reads_the_section_not_the_prose():
+    doc = ("Uses lr and steps in prose.\n\nParameters\n----------\nsteps : int\n"
+           "    How many.\na, b : float\n    Two at once.\nuntyped\n    No type.\n"
+           "bare : str\nprose: not an entry\n\nNotes\n-----\nlr : float\n    Not one.\n")
+    assert documented_parameters(doc) == {"steps": "How many. ", "a": "Two at once. ",
+                                          "b": "Two at once. ", "untyped": "No type. ",
+                                          "bare": ""}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_documents_every_argument(name):
+    """Every constructor argument of the strategy and its bases has an entry, with a
+    description, in the numpydoc Parameters section of ``help(strategy)`` (a mention in the
+    prose does not count)."""
+    cls = STRATEGIES[name]
+    documented = documented_parameters(inspect.getdoc(cls) or "")
+    for klass in cls.__mro__:
+        if not issubclass(klass, FusionStrategy):
+            continue
+        for arg in inspect.signature(klass.__init__).parameters:
+            if arg not in ("self", "kwargs"):
+                assert documented.get(arg, "").strip(), f"{name}: {arg!r} is not documented"
 
 
 def test_the_library_never_imports_the_app():

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import InProcessGrid
+from conftest import sgd
 from scipy.optimize import linprog
 from torch import nn
 
-from fedfusion.app.config import Settings
-from fedfusion.datasets import ImageData
+from fedfusion import evaluate
+from fedfusion.client import make_upload
+from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
-from fedfusion.server_app import run_server
-from fedfusion.strategies import STRATEGIES
+from fedfusion.strategies import FedAvg
 from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.otfusion import (
     OTFusion,
@@ -556,19 +556,62 @@ def test_activation_mode_without_validation_falls_back_to_weights():
         OTFusion(spec, num_clients=2, mode="neurons")
 
 
-def test_real_fmnist_federation(tmp_path, monkeypatch):
-    """3 clients, Dirichlet 0.5 on 9000 real FMNIST images, LeNet, 2 local epochs, weight
-    alignment: OTFusion must beat 45% test accuracy. Measured 51.2%, the same as FedAvg:
-    the clients start from the server's common initialisation, so after 2 epochs the
-    identity is the optimal alignment of every layer (the uniform ensemble gets 64.7%)."""
-    monkeypatch.setitem(STRATEGIES, OTFusion.name, OTFusion)
-    settings = Settings(strategy="otfusion", num_clients=3, train_subset=9000, local_epochs=2,
-                        alpha=0.5, val_size=300, output_dir=str(tmp_path), run_name="otfusion")
-    results = run_server(settings, InProcessGrid(settings))
+def test_real_fmnist_federation_from_a_common_init_is_fedavg(fmnist_split):
+    """The App's one-shot path on the shared 3-client Dirichlet 0.5 split (conftest.fmnist_split,
+    replayed), weight alignment. The clients start from the server's common initialisation, so
+    after 2 epochs the identity is the optimal alignment of every layer: no neuron moves and
+    OTFusion IS FedAvg of the same uploads, to the bit (measured: both 50.9%; the uniform
+    ensemble 64.2%). An accuracy floor here could not tell OTFusion from a FedAvg stub; what
+    alignment buys is tested where it matters, below (clients from different inits)."""
+    results = fmnist_split.replay("otfusion")
+    fedavg = fmnist_split.replay("fedavg")
     assert results["status"] == "ok" and not results["excluded"]
     report = results["strategy_report"]
     print(results["test"], report)
-    assert report["mode"] == "weights" and len(report["members"][0]["moved_neurons"]) == 2
-    assert report["members"][0]["reference_client"] == max(
-        results["clients"], key=lambda c: c["num_examples"])["client_id"]
-    assert results["test"]["accuracy"] > 0.45
+    assert report["mode"] == "weights"
+    reference = max(results["clients"], key=lambda c: c["num_examples"])["client_id"]
+    assert report["members"][0]["reference_client"] == reference
+    moved = report["members"][0]["moved_neurons"]
+    assert sorted(moved) == sorted(str(c["client_id"]) for c in results["clients"]
+                                   if c["client_id"] != reference)
+    assert all(count == 0 for counts in moved.values() for count in counts), moved
+    assert results["test"] == fedavg["test"]
+
+
+@pytest.fixture(scope="module")
+def distinct_init_clients() -> tuple[ModelSpec, list[ClientUpload], tuple, tuple]:
+    """3 clients of 600 IID real FMNIST rows each, every one from its OWN random init (seeds
+    100..102), an MLP 784-64-64-10 with biases, 3 epochs of SGD: the same function up to a
+    permutation of the hidden neurons is what alignment exists for."""
+    bundle = load_dataset("fmnist", val_size=300, seed=0)
+    spec = ModelSpec("mlp", bundle.input_shape, 10, {"hidden_layers": 2, "hidden": 64,
+                                                     "bias": True})
+    rows = torch.randperm(len(bundle.train.y), generator=torch.Generator().manual_seed(0))
+    uploads = []
+    for c in range(3):
+        x, y = bundle.train.x[rows[600 * c:600 * (c + 1)]], bundle.train.y[rows[600 * c:
+                                                                                600 * (c + 1)]]
+        with torch.random.fork_rng():
+            torch.manual_seed(100 + c)
+            model = spec.build()
+        sgd(model, x, y, epochs=3, seed=c)
+        uploads.append(make_upload([model], x, y, ["weights"], client_id=c, model_name="mlp",
+                                   model_kwargs=spec.kwargs))
+    return spec, uploads, (bundle.val.x, bundle.val.y), (bundle.test.x[:2000],
+                                                         bundle.test.y[:2000])
+
+
+@pytest.mark.parametrize("mode", ["weights", "activations"])
+def test_clients_from_different_inits_fuse_far_better_than_fedavg(distinct_init_clients, mode):
+    """Real FMNIST, clients from different inits: averaging unaligned neurons destroys the
+    model, aligning them first keeps most of it. OTFusion must beat FedAvg of the same uploads
+    by 15 points (a FedAvg stub: +0). Measured on 2,000 test images: FedAvg 39.8%, OTFusion
+    66.6% (weights) / 65.1% (activations), the clients 59-67%, the uniform ensemble 70.3%."""
+    spec, uploads, val, test = distinct_init_clients
+    fedavg = evaluate(FedAvg(spec).fuse_uploads(uploads), *test)["accuracy"]
+    strategy = OTFusion(spec, mode=mode, val=val)
+    fused = evaluate(strategy.fuse_uploads(uploads), *test)["accuracy"]
+    print(mode, fused, fedavg)
+    assert fused >= fedavg + 0.15, (fused, fedavg)  # measured +26.8 / +25.3
+    moved = strategy.report()["members"][0]["moved_neurons"]
+    assert all(count > 30 for counts in moved.values() for count in counts), moved

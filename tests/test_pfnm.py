@@ -253,10 +253,10 @@ def test_pfnm_beats_fedavg_on_hetero_label_fmnist(tmp_path):
     pfnm = run_server(settings.replace(strategy="pfnm", replay=str(tmp_path / "live" / "uploads"),
                                        run_name="pfnm"))
     assert pfnm["status"] == "ok" and not pfnm["excluded"]
+    assert pfnm["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.05  # measured +14.6
+    assert pfnm["test"]["accuracy"] >= 0.50  # measured 57.6%
     assert pfnm["strategy_report"]["members"][0]["class_weighted_output"]
     assert pfnm["strategy_report"]["members"][0]["global_hidden_sizes"][0] >= 100
-    assert pfnm["test"]["accuracy"] >= 0.50
-    assert pfnm["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.05
 
 
 @pytest.mark.parametrize(("values", "message"), [

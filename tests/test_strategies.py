@@ -92,7 +92,9 @@ def test_replay_reproduces_the_live_result_and_feeds_other_strategies(small_sett
     assert replayed["timing"]["client_train_s_sum"] == live["timing"]["client_train_s_sum"]
     ensemble = run_server(small_settings.replace(replay=str(uploads), strategy="ensemble",
                                                  run_name="re-ens"))
-    assert ensemble["test"]["accuracy"] > 0.3
+    # the ensemble of the 3 client models against their FedAvg (the live run): measured
+    # 36.6% against 31.9%; its exact form is test_ensemble_holds_every_member_of_every_client
+    assert ensemble["test"]["accuracy"] >= live["test"]["accuracy"] + 0.03
 
 
 def test_replay_excludes_a_corrupted_cached_upload(small_settings, tmp_path):
