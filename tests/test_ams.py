@@ -77,7 +77,7 @@ def test_ties_go_to_the_lower_index_and_bad_shapes_are_refused():
         max_logit_log_probs(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="top_k must be >= 0"):
         max_logit_log_probs(logits, -1)
-    with pytest.raises(ValueError, match="ams-top-k must be >= 0"):
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
         AdaptiveModelSelection(LINEAR, num_clients=2, top_k=-2)
 
 

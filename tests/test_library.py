@@ -18,8 +18,8 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion import ClientUpload, LocalGrid, client, evaluate
-from fedfusion.app.config import Settings
+from fedfusion import LocalGrid, client, evaluate
+from fedfusion.app.config import STRATEGY_KEYS, Settings
 from fedfusion.strategies import (
     STRATEGIES,
     AdaptiveModelSelection,
@@ -117,14 +117,14 @@ def test_fedbens_regmean_and_ams_fuse_a_users_model_through_its_own_client_app(f
 
 
 def test_plain_python_upload_from_models_and_fuse(fmnist):
-    """No Flower at all: trained models -> ClientUpload.from_models -> fuse_uploads."""
+    """No Flower at all: trained models -> client.make_upload -> fuse_uploads."""
     uploads = []
     for c in range(3):
         x, y = fmnist[f"client{c}"]
         torch.manual_seed(0)  # one shared init, as a broadcast would give
         model = UserNet()
         sgd(model, x, y, seed=c)
-        uploads.append(ClientUpload.from_models([model], x, y, sections=["weights", "gram"],
+        uploads.append(client.make_upload([model], x, y, sections=["weights", "gram"],
                                                 client_id=c))
     assert uploads[0].sections == ["gram", "weights"] and uploads[0].num_examples == 600
     assert sum(uploads[0].metrics["class-histogram"]) == 600
@@ -154,7 +154,7 @@ def test_members_default_is_member_zero_for_single_model_baselines(fmnist):
             torch.manual_seed(m)
             models.append(UserNet())
             sgd(models[-1], x[c * 300:(c + 1) * 300], y[c * 300:(c + 1) * 300], 1, seed=m)
-        uploads.append(ClientUpload.from_models(models, x[:300], y[:300], client_id=c))
+        uploads.append(client.make_upload(models, x[:300], y[:300], client_id=c))
     first = FedAvg(UserNet).fuse_uploads(uploads)
     each = FedAvg(UserNet, members="each").fuse_uploads(uploads)
     assert len(first.members) == 1 and len(each.members) == 3
@@ -241,7 +241,7 @@ def test_constructor_defaults_equal_the_run_config_defaults(name):
     """One source of truth: a strategy built from the defaults of its constructor equals one
     built from the run config's defaults."""
     cls, settings = STRATEGIES[name], Settings().to_mapping()
-    for arg, key in [*cls.config_keys.items(), ("round_timeout", "round-timeout"),
+    for arg, key in [*STRATEGY_KEYS.get(name, {}).items(), ("round_timeout", "round-timeout"),
                      ("node_wait_timeout", "node-wait-timeout"),
                      ("min_valid_uploads", "min-valid-uploads")]:
         default, configured = _default(cls, arg), settings[key]

@@ -252,7 +252,7 @@ def test_scores_are_deterministic_and_degenerate_layers_average_plainly():
     assert all(np.array_equal(first[k], again[k]) for k in first)
     weights = layer_weights({"bias": np.zeros(3)}, sizes=[1, 1, 2])
     np.testing.assert_allclose(weights["bias"], [0.25, 0.25, 0.5])
-    with pytest.raises(ValueError, match="unknown swa-distance 'kl'"):
+    with pytest.raises(ValueError, match="unknown distance 'kl'"):
         StatisticalWeightAggregation(SPEC, num_clients=2, distance="kl")
 
 
