@@ -77,11 +77,14 @@ class FedBEns(FusionStrategy):
         refreshes (0 = evaluate every member at every step).
     refresh_every : int, default 10
         Steps between full re-evaluations of all members.
-    starts : {"median", "members"}, default "median"
+    starts : {"median", "mean", "members"}, default "median"
         Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run
-        r at the per-parameter median over clients of member r. ``"members"``: one run from
-        every uploaded member (sum_c M_c runs, C times the server work), so the ensemble
-        holds the modes nearest each client's own solutions.
+        r at the per-parameter median over clients of member r. ``"mean"``: run r at the
+        sample-weighted average of member r (FedAvg of member r); for BatchNorm networks,
+        whose per-channel weight scales differ between clients, the median mixes scales
+        (digits, BN CNN, alpha 0.1: median starts score 0.31-0.44 on val, mean starts
+        0.67-0.73). ``"members"``: one run from every uploaded member (sum_c M_c runs, C times
+        the server work), so the ensemble holds the modes nearest each client's own solutions.
     modes : int, default 0
         Keep only the first ``modes`` runs (0 = all): ``modes=1`` predicts with the single
         mode from the members-0 median, as the paper's Table 7 returns one model.
@@ -115,8 +118,8 @@ class FedBEns(FusionStrategy):
         if hessian_structure not in STRUCTURES:
             raise ValueError(f"hessian_structure must be one of {STRUCTURES}, "
                              f"got {hessian_structure!r}")
-        if starts not in ("median", "members"):
-            raise ValueError(f"starts must be 'median' or 'members', got {starts!r}")
+        if starts not in ("median", "mean", "members"):
+            raise ValueError(f"starts must be 'median', 'mean' or 'members', got {starts!r}")
         if modes < 0:
             raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
         self.starts, self.modes = starts, modes
@@ -156,9 +159,9 @@ class FedBEns(FusionStrategy):
         return mixture_log_posterior(w, stacked, owner, num_clients, self.prior_var)
 
     def starting_points(self, uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
-        """Run r starts at the per-parameter median over the clients that have member r (the
-        buffers at their sample-weighted average), or (``starts="members"``) at each uploaded
-        member."""
+        """Run r starts at the per-parameter median (``starts="median"``) or sample-weighted
+        average (``"mean"``) over the clients that have member r (the buffers at their
+        sample-weighted average), or (``"members"``) at each uploaded member."""
         if self.starts == "members":
             return [u.weights(m) for u in uploads for m in range(u.num_members)][
                 : self.modes or None]
@@ -170,8 +173,9 @@ class FedBEns(FusionStrategy):
             # buffers (running statistics) are not optimised: the sample-weighted average
             start = weighted_average([u.weights(r) for u in holders],
                                      [u.num_examples for u in holders])
-            start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
-                                          axis=0) for name in parameters})
+            if self.starts == "median":
+                start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
+                                              axis=0) for name in parameters})
             starts.append(start)
         return starts
 

@@ -4,7 +4,7 @@ initial models and builds the reply."""
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from digits.task import DigitsNet, client_data, train
+from digits.task import client_data, model_fn, train
 from fedfusion import client
 
 app = ClientApp()
@@ -16,7 +16,7 @@ def train_members(msg: Message, context: Context) -> Message:
     config = context.run_config
     x, y = client_data(partition, int(context.node_config["num-partitions"]),
                        float(config["alpha"]), int(config["seed"]))
-    models = client.initial_models(msg, DigitsNet)  # fedfusion glue 1/2
+    models = client.initial_models(msg, model_fn(config))  # fedfusion glue 1/2
     for m, model in enumerate(models):
         train(model, x, y, int(config["local-epochs"]), seed=1000 * partition + m)
     return client.reply(msg, models, x, y, client_id=partition)  # fedfusion glue 2/2

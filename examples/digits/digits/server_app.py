@@ -7,7 +7,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from digits.task import DigitsNet, server_data
+from digits.task import model_fn, server_data
 from fedfusion import evaluate
 from fedfusion.strategies import AdaptiveModelSelection, FedAvg, FedBEns, RegMean
 
@@ -20,12 +20,17 @@ def main(grid: Grid, context: Context) -> None:
     clients, members, seed = int(config["num-clients"]), int(config["num-members"]), int(
         config["seed"])
     val, (x_test, y_test) = server_data(seed)
+    net = model_fn(config)
+    # With BatchNorm, the fused models' running statistics are re-estimated on `val` (the
+    # default rule), and FedBEns starts from per-member averages: per-member medians mix the
+    # clients' different weight scales (fedfusion docs/strategies.md).
+    starts = "mean" if net.keywords["batch_norm"] else "median"
     common = {"num_clients": clients, "num_members": members, "val": val, "seed": seed}
     make = {  # fedfusion glue: one line per strategy
-        "fedavg": lambda: FedAvg(DigitsNet, **common),
-        "fedbens": lambda: FedBEns(DigitsNet, hessian_structure="kron", **common),
-        "regmean": lambda: RegMean(DigitsNet, **common),
-        "ams": lambda: AdaptiveModelSelection(DigitsNet, **common),
+        "fedavg": lambda: FedAvg(net, **common),
+        "fedbens": lambda: FedBEns(net, hessian_structure="kron", starts=starts, **common),
+        "regmean": lambda: RegMean(net, **common),
+        "ams": lambda: AdaptiveModelSelection(net, **common),
     }
     results: dict = {"status": "running", "test": {}, "excluded": {}}
     folder = Path(str(config["output-dir"])) / str(config["run-name"])

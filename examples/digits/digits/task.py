@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
+
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
@@ -13,18 +16,26 @@ VAL_SIZE, TEST_FRACTION, MIN_ROWS = 150, 0.3, 20
 
 
 class DigitsNet(nn.Module):
-    """conv3(1->8) - conv3(8->16) - fc(256->hidden) - fc(hidden->10), ReLU, with biases."""
+    """conv3(1->8) - conv3(8->16) - fc(256->hidden) - fc(hidden->10), ReLU, with biases;
+    ``batch_norm``: a BatchNorm2d after each convolution (running statistics as buffers)."""
 
-    def __init__(self, hidden: int = 64):
+    def __init__(self, hidden: int = 64, batch_norm: bool = False):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 8, 3)
+        self.norm1 = nn.BatchNorm2d(8) if batch_norm else nn.Identity()
         self.conv2 = nn.Conv2d(8, 16, 3)
+        self.norm2 = nn.BatchNorm2d(16) if batch_norm else nn.Identity()
         self.fc1 = nn.Linear(16 * 4 * 4, hidden)
         self.fc2 = nn.Linear(hidden, NUM_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))))
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def model_fn(run_config: Mapping[str, object]) -> Callable[[], DigitsNet]:
+    """The run's network: ``batch-norm = true`` in the run config adds BatchNorm."""
+    return functools.partial(DigitsNet, batch_norm=str(run_config["batch-norm"]).lower() == "true")
 
 
 def _pool(seed: int) -> tuple[np.ndarray, np.ndarray]:
