@@ -339,8 +339,8 @@ def why(args: argparse.Namespace) -> None:
     from fedfusion.architecture import ModelSpec
     from fedfusion.curvature import curvature_from_arrays
     from fedfusion.evaluation import evaluate
-    from fedfusion.payload import WEIGHTS
     from fedfusion.upload_store import load_uploads
+    from fedfusion.wire import WEIGHTS
 
     table = []
     for alpha in args.alphas:

@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "evaluate": "fedfusion.evaluation",
     "ModelSpec": "fedfusion.architecture",
-    "ClientUpload": "fedfusion.payload",
-    "UploadError": "fedfusion.payload",
+    "ClientUpload": "fedfusion.wire",
+    "UploadError": "fedfusion.wire",
     "LocalGrid": "fedfusion.local",
     "load_predictor": "fedfusion.predictors",
     "save_predictor": "fedfusion.predictors",

@@ -10,7 +10,7 @@ upload the strategies expect out. Training stays the user's own::
             my_training_loop(model, x, y)             # any loop, any optimiser
         return client.reply(msg, models, x, y)        # exactly the sections the server asks
 
-:func:`make_upload` does the same without Flower (a :class:`~fedfusion.payload.ClientUpload`
+:func:`make_upload` does the same without Flower (a :class:`~fedfusion.wire.ClientUpload`
 for :meth:`~fedfusion.strategies.FusionStrategy.fuse_uploads`). Curvature sections
 (``curvature.kron`` / ``diag`` / ``diag_full``) need laplace-torch on the client; weights and
 Gram sections do not.
@@ -31,9 +31,9 @@ from torch import nn
 from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.evaluation import LabelledData, as_labelled
-from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
+from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
 from fedfusion.state import load_state_arrays
-from fedfusion.uploads import CURVATURE_PREFIX, SectionOptions, build_section
+from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 
 log = logging.getLogger("fedfusion")
 
@@ -55,7 +55,7 @@ def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
     except ValueError as exc:
         raise ValueError(
             f"{exc}. A fedfusion strategy broadcasts M models with keys '<m>/<param>' "
-            "(fedfusion.payload.encode_models); a plain Flower ArrayRecord(model.state_dict()) "
+            "(fedfusion.wire.encode_models); a plain Flower ArrayRecord(model.state_dict()) "
             "is one model: pass it to strategy.start(grid, initial_arrays=...) and the strategy "
             "converts it") from exc
 
@@ -129,7 +129,7 @@ def make_upload(
         ``curvature_batch_size`` (256), ``curvature_rank`` (0 = all eigenpairs),
         ``curvature_half`` (False), ``temperature`` (0.1), ``prior_var`` (0.1), ``seed`` (0),
         ``accelerate`` (None: ``FEDFUSION_ACCEL``, else off; :mod:`fedfusion.accel`);
-        see :class:`fedfusion.uploads.SectionOptions`.
+        see :class:`fedfusion.sections.SectionOptions`.
     """
     if y is None:
         data = as_labelled(x, "client data")
@@ -139,7 +139,7 @@ def make_upload(
     try:
         section_options = SectionOptions(**options)
     except TypeError as exc:
-        raise TypeError(f"{exc}; options are the fields of fedfusion.uploads.SectionOptions") \
+        raise TypeError(f"{exc}; options are the fields of fedfusion.sections.SectionOptions") \
             from exc
     optional = [s for s in optional_sections if s not in sections]
     wanted = [*sections, *optional]

@@ -37,8 +37,8 @@ from fedfusion.app.federation import client_for_partition, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
-from fedfusion.payload import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
+from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 
 log = logging.getLogger("fedfusion")
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from fedfusion.im2col import patch_rows, unsupported_conv
-from fedfusion.payload import check_array_names
+from fedfusion.wire import check_array_names
 
 #: relative asymmetry ``max|G - G^T| / max diag(G)`` above which a Gram is refused
 SYMMETRY_TOL = 1e-5

@@ -30,9 +30,9 @@ from fedfusion.app.config import ConfigError, Settings, build_strategy, default_
 from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.evaluation import evaluate, resolve_device
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import save_predictor
 from fedfusion.upload_store import load_uploads, save_uploads
+from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
 

@@ -6,7 +6,7 @@ Layout of an upload folder::
                         and one entry per client (model, kwargs, examples, metrics, file)
     client_<id>.npz     arrays "m<member>/<section>/<name>" (numpy, loaded without pickle)
 
-Loading returns :class:`~fedfusion.payload.ClientUpload` objects that go through the
+Loading returns :class:`~fedfusion.wire.ClientUpload` objects that go through the
 same validation as live uploads when a strategy fuses them.
 
 A folder may come from elsewhere, so loading trusts nothing in it. The manifest is checked
@@ -29,16 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from fedfusion.payload import (
-    MAX_MEMBERS,
-    MAX_UPLOAD_BYTES,
-    SCHEMA,
-    SCHEMA_VERSION,
-    ClientUpload,
-    _brief,
-    _describe,
-    _read_npy,
-)
+from fedfusion.wire.format import MAX_MEMBERS, SCHEMA, SCHEMA_VERSION, ClientUpload
+from fedfusion.wire.npy import read_npy
+from fedfusion.wire.validation import MAX_UPLOAD_BYTES, _brief, _describe
 
 MANIFEST = "manifest.json"
 #: a manifest larger than this is refused unread (honest ones are a few KB per client)
@@ -217,7 +210,7 @@ def _read_npz(path: Path, file: str, num_members: int, max_upload_bytes: int
             if name in members[m].get(section, {}):
                 raise ValueError(f"{file}: array {_brief(info.filename)} appears twice")
             with archive.open(info) as stream:
-                array = _read_npy(stream, info.file_size, f"{file}:{info.filename}")
+                array = read_npy(stream, info.file_size, f"{file}:{info.filename}")
             members[m].setdefault(section, {})[name] = array
     empty = [m for m, member in enumerate(members) if not member]
     if empty:

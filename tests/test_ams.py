@@ -15,7 +15,6 @@ from conftest import InProcessGrid
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import client_settings, settings_for_node
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import (
     MaxLogitSelector,
     ModelSpec,
@@ -26,6 +25,7 @@ from fedfusion.predictors import (
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection
 from fedfusion.upload_store import load_uploads
+from fedfusion.wire import ClientUpload
 
 #: linear "networks" (no hidden layer, no bias) on 2 input features, 3 classes
 LINEAR = ModelSpec("mlp", (1, 1, 2), 3, {"hidden_layers": 0})

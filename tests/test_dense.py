@@ -11,7 +11,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.datasets import ImageData, load_dataset
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.strategies.dense import (
     Dense,
@@ -21,6 +20,7 @@ from fedfusion.strategies.dense import (
     input_stats_loss,
     kl_teacher_student,
 )
+from fedfusion.wire import ClientUpload
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 

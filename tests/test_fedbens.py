@@ -8,11 +8,11 @@ import torch
 from conftest import InProcessGrid
 
 from fedfusion.curvature import fit_curvature
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.server_optim import clip_per_run
+from fedfusion.wire import ClientUpload
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 

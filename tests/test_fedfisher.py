@@ -13,11 +13,11 @@ from test_fedbens import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays
-from fedfusion.payload import ClientUpload
 from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
+from fedfusion.wire import ClientUpload
 
 CONTEXT = FusionContext(TINY)
 SHAPES = dict(CONTEXT.param_shapes(TINY.name, TINY.kwargs))

@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
 
-from fedfusion.payload import (
+from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
+from fedfusion.wire import (
     META_KEY,
     METRICS_KEY,
     ClientUpload,
@@ -43,7 +44,6 @@ from fedfusion.payload import (
     member_key,
     validate_upload,
 )
-from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -20,15 +20,20 @@ import pytest
 import torch
 from conftest import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from test_payload import CONTEXT, SPEC, _corrupt, _set_array, make_upload
+from test_wire import CONTEXT, SPEC, _corrupt, _set_array, make_upload
 
-from fedfusion import payload
 from fedfusion.app import replay
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
-from fedfusion.payload import (
+from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
+from fedfusion.server_app import run_server
+from fedfusion.strategies import FedBEns
+from fedfusion.strategies.base import FusionContext
+from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
+from fedfusion.wire import (
     MAX_ABS_CURVATURE,
     MAX_ABS_WEIGHT,
+    META_KEY,
     METRICS_KEY,
     ClientUpload,
     UploadError,
@@ -36,12 +41,8 @@ from fedfusion.payload import (
     encode_upload,
     member_key,
     validate_upload,
+    validation,
 )
-from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
-from fedfusion.server_app import run_server
-from fedfusion.strategies import FedBEns
-from fedfusion.strategies.base import FusionContext
-from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
@@ -51,9 +52,9 @@ KRON = ("weights", "curvature.kron")
 
 def _meta(content: RecordDict, **changes: object) -> None:
     """Edit the upload's ``fedfusion.meta`` record (keys with dashes: pass a dict)."""
-    meta = dict(content[payload.META_KEY])
+    meta = dict(content[META_KEY])
     meta.update(changes)
-    content[payload.META_KEY] = ConfigRecord(meta)
+    content[META_KEY] = ConfigRecord(meta)
 
 
 def _problem(edit) -> str:  # noqa: ANN001
@@ -131,7 +132,7 @@ def test_any_exception_from_a_section_validator_is_an_upload_error(monkeypatch):
     def broken(arrays, shapes):  # noqa: ANN001, ANN202
         raise IndexError("index 7 is out of bounds")
 
-    monkeypatch.setitem(payload._SECTION_VALIDATORS, "weights", broken)
+    monkeypatch.setitem(validation._SECTION_VALIDATORS, "weights", broken)
     with pytest.raises(UploadError, match="member 0 section 'weights': IndexError: index 7"):
         decode_upload(encode_upload(make_upload()), "node 7", CONTEXT.param_shapes)
 
@@ -152,7 +153,7 @@ def test_model_kwargs_json_is_capped_before_it_is_parsed(monkeypatch):
     assert parsed == []  # neither reached the parser
     assert "model-kwargs is not JSON: NaN is not a number JSON allows" in reason('{"a": NaN}')
     assert "model-kwargs must be a JSON object" in reason("[1, 2]")
-    assert payload._json_depth('{"s": "[[[{{\\"[", "t": [[1]]}') == 3  # strings don't count
+    assert validation._json_depth('{"s": "[[[{{\\"[", "t": [[1]]}') == 3  # strings don't count
 
 
 # ------------------------------------------------------------------ bytes and byte order

@@ -17,8 +17,8 @@ from torch import nn
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
-from fedfusion.payload import decode_models
 from fedfusion.strategies import FedAvg, FedBEns, FusionResult
+from fedfusion.wire import decode_models
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fedfusion"
 #: the Flower App and what only it uses (data sets); everything else is the library
@@ -98,7 +98,7 @@ def cycles() -> list[list[str]]:
 
 def test_the_checker_sees_the_imports_it_must():
     """A checker that finds nothing passes everything: it must see known edges."""
-    assert "fedfusion.payload" in GRAPH["fedfusion.client"]
+    assert "fedfusion.wire" in GRAPH["fedfusion.client"]
     assert "fedfusion.accel.kernels" in GRAPH["fedfusion.accel.stacked"]
     assert ("fedfusion.accel.stacked", False) in imports("fedfusion.training")  # lazy import
     assert "fedfusion.app.config" in GRAPH["fedfusion.server_app"]

@@ -12,11 +12,11 @@ from fedfusion.app.config import Settings, build_strategy
 from fedfusion.client_app import LocalObjective, handle_train, previous_key, run_client
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
 from fedfusion.models import build_model
-from fedfusion.payload import decode_upload, encode_models
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies.base import FusionContext
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
+from fedfusion.wire import decode_upload, encode_models
 
 
 def _task(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,8 @@ from torch.nn import functional as F
 
 from fedfusion import client
 from fedfusion.architecture import ModelSpec
-from fedfusion.payload import decode_upload, encode_upload
 from fedfusion.strategies import STRATEGIES, FedAvg
+from fedfusion.wire import decode_upload, encode_upload
 
 #: family -> (zoo model, kwargs): small variants of the zoo's real models
 FAMILIES = {

@@ -15,7 +15,6 @@ from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.architecture import ModelSpec
-from fedfusion.payload import encode_models
 from fedfusion.strategies import FedAvg
 from fedfusion.strategies.sampling import (
     NodeWaitTimeout,
@@ -23,6 +22,7 @@ from fedfusion.strategies.sampling import (
     sample_nodes,
     wait_for_nodes,
 )
+from fedfusion.wire import encode_models
 
 REPO = Path(__file__).resolve().parents[1]
 

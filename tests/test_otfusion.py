@@ -17,7 +17,6 @@ from torch import nn
 from fedfusion import evaluate
 from fedfusion.client import make_upload
 from fedfusion.datasets import ImageData, load_dataset
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.strategies import FedAvg
 from fedfusion.strategies.base import FusionContext
@@ -31,6 +30,7 @@ from fedfusion.strategies.otfusion import (
     transport_map,
     weight_cost,
 )
+from fedfusion.wire import ClientUpload
 
 SPECS = {
     "lenet": ModelSpec("lenet", (1, 28, 28), 10),

@@ -15,11 +15,11 @@ from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.models import build_model
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import PFNM
 from fedfusion.strategies.pfnm import match_layer
+from fedfusion.wire import ClientUpload
 
 VAGUE = 1e12  # sigma0^2 so large that the prior does not shrink the global neurons
 

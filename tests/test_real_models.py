@@ -28,7 +28,9 @@ from fedfusion.curvature import StackedGaussians, curvature_from_arrays
 from fedfusion.curvature.fit import fit_curvature
 from fedfusion.curvature.hybrid import hybrid_kron_fit
 from fedfusion.normalization import recalibrate
-from fedfusion.payload import (
+from fedfusion.state import StateLayout, load_state_arrays, state_arrays
+from fedfusion.strategies import FedAvg, FedBEns, RegMean, UniformEnsemble
+from fedfusion.wire import (
     UploadError,
     decode_models,
     decode_upload,
@@ -36,8 +38,6 @@ from fedfusion.payload import (
     encode_upload,
     validate_upload,
 )
-from fedfusion.state import StateLayout, load_state_arrays, state_arrays
-from fedfusion.strategies import FedAvg, FedBEns, RegMean, UniformEnsemble
 
 
 class BNNet(nn.Module):

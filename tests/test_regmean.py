@@ -21,12 +21,12 @@ from fedfusion.gram import (
     model_gram_sizes,
     validate_grams,
 )
-from fedfusion.payload import ClientUpload, UploadError, validate_upload
 from fedfusion.predictors import ModelSpec
+from fedfusion.sections import build_section
 from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.regmean import RegMean, parse_alphas
-from fedfusion.uploads import build_section
+from fedfusion.wire import ClientUpload, UploadError, validate_upload
 
 LINEAR = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 0})
 LINEAR_BIAS = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 0, "bias": True})

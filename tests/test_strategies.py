@@ -5,11 +5,11 @@ import pytest
 import torch
 from conftest import InProcessGrid
 from flwr.app import ArrayRecord, Message
-from test_payload import SPEC, make_upload
+from test_wire import SPEC, make_upload
 
-from fedfusion.payload import UploadError, member_key
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedAvg, UniformEnsemble
+from fedfusion.wire import UploadError, member_key
 
 
 def test_fedavg_is_the_sample_weighted_mean():

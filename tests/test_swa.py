@@ -9,13 +9,12 @@ from conftest import InProcessGrid, initial_models
 from flwr.app import ConfigRecord, MetricRecord
 from scipy import stats
 from test_datasets import FakeCIFAR
-from test_payload import SPEC, make_upload
+from test_wire import SPEC, make_upload
 from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.datasets import load_dataset
-from fedfusion.payload import ClientUpload, encode_models
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import (
@@ -30,6 +29,7 @@ from fedfusion.strategies.swa import (
     layer_weights,
 )
 from fedfusion.upload_store import load_uploads
+from fedfusion.wire import ClientUpload, encode_models
 
 TINY = ModelSpec("mlp", (1, 2, 4), 2, {"hidden_layers": 0})  # one Linear(8, 2): 16 weights
 

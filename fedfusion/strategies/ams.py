@@ -30,9 +30,9 @@ from typing import Any
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import Ensemble, MaxLogitSelector
 from fedfusion.strategies.ensemble import UniformEnsemble
+from fedfusion.wire import ClientUpload
 
 
 class AdaptiveModelSelection(UniformEnsemble):

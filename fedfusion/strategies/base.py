@@ -4,7 +4,7 @@ A :class:`FusionStrategy` is a Flower Message-API strategy
 (:class:`flwr.serverapp.strategy.Strategy`) whose round is: broadcast the current global
 weights (M initial models in round 1, made and seeded by the strategy) with the upload
 sections the strategy needs -> decode and validate every reply into a
-:class:`~fedfusion.payload.ClientUpload` -> :meth:`fuse` the valid uploads into a global
+:class:`~fedfusion.wire.ClientUpload` -> :meth:`fuse` the valid uploads into a global
 predictor. A reply that fails validation, a client error and a node that does not answer in
 time are each excluded with the reason recorded in :attr:`exclusions`; the round goes on
 with the rest.
@@ -36,7 +36,11 @@ from torch import nn
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_device
 from fedfusion.normalization import NORM_STATS, recalibrate
-from fedfusion.payload import (
+from fedfusion.predictors import Ensemble
+from fedfusion.state import state_arrays
+from fedfusion.strategies.client_errors import parse_client_error
+from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
+from fedfusion.wire import (
     WEIGHTS,
     ClientUpload,
     NumpyDict,
@@ -46,10 +50,6 @@ from fedfusion.payload import (
     encode_models,
     validate_upload,
 )
-from fedfusion.predictors import Ensemble
-from fedfusion.state import state_arrays
-from fedfusion.strategies.client_errors import parse_client_error
-from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
 
 log = logging.getLogger("fedfusion")
 
@@ -147,7 +147,7 @@ class FusionResult(Result):
     OTFusion, DENSE, SWA, PFNM with one member), its plain ``state_dict`` as an ``ArrayRecord``
     (``model.load_state_dict(result.arrays.to_torch_state_dict())``, as any Flower code does);
     where it is several (FedBEns' modes, ``members="each"``, the ensemble, AMS), every model in
-    fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.payload.decode_models`).
+    fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.wire.decode_models`).
     ``predictor``: the fused predictor itself (log-probabilities, :mod:`fedfusion.predictors`),
     also :attr:`FusionStrategy.predictor`."""
 

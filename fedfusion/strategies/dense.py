@@ -126,10 +126,10 @@ from torch.nn import functional as F
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import classification_metrics
-from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.wire import WEIGHTS, ClientUpload
 
 log = logging.getLogger("fedfusion")
 

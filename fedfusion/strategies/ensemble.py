@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from fedfusion.payload import ClientUpload
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
+from fedfusion.wire import ClientUpload
 
 
 class UniformEnsemble(FusionStrategy):

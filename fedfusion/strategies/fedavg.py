@@ -19,9 +19,9 @@ import numpy as np
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.payload import ClientUpload, NumpyDict, UploadError
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
+from fedfusion.wire import ClientUpload, NumpyDict, UploadError
 
 #: one weight per client, or per parameter name one weight per client
 AverageWeights = Sequence[float] | Mapping[str, Sequence[float]]

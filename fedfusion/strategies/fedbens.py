@@ -40,12 +40,12 @@ from fedfusion.curvature import (
     curvature_from_arrays,
     mixture_log_posterior,
 )
-from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
+from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
-from fedfusion.uploads import curvature_section
+from fedfusion.wire import WEIGHTS, ClientUpload
 
 log = logging.getLogger("fedfusion")
 

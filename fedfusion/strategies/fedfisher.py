@@ -63,12 +63,12 @@ from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays
-from fedfusion.payload import WEIGHTS, ClientUpload
 from fedfusion.predictors import Ensemble
+from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
-from fedfusion.uploads import curvature_section
+from fedfusion.wire import WEIGHTS, ClientUpload
 
 log = logging.getLogger("fedfusion")
 

@@ -77,10 +77,10 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.payload import ClientUpload, UploadError
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.otfusion import Layer, layer_chain
+from fedfusion.wire import ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")
 

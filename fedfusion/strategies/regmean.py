@@ -57,14 +57,14 @@ import numpy as np
 import torch
 from torch import nn
 
-import fedfusion.uploads  # noqa: F401  (registers the "gram" upload section's validator)
+import fedfusion.sections  # noqa: F401  (registers the "gram" upload section's validator)
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import evaluate
 from fedfusion.gram import check_gram_names, gram_layers, model_gram_sizes
-from fedfusion.payload import WEIGHTS, ClientUpload, UploadError
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.wire import WEIGHTS, ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")
 

@@ -67,8 +67,8 @@ from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
-from fedfusion.payload import ClientUpload, NumpyDict
 from fedfusion.strategies.fedavg import FedAvg, weighted_average
+from fedfusion.wire import ClientUpload, NumpyDict
 
 #: the ``swa-distance`` choices
 SWA_DISTANCES = (*DISTANCES, "uniform")

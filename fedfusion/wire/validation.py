@@ -1,69 +1,21 @@
-"""The client upload: one versioned format, in Flower records, shared by every strategy.
+"""Validation of a client upload: the caps on what one client may send, the checks of a
+:class:`~fedfusion.wire.format.ClientUpload` (:func:`validate_upload`) and the registry of
+upload sections and their validators (:func:`register_section`).
 
-Wire format (schema ``fedfusion.upload``, version 1), the ``content`` RecordDict of a
-ClientApp's train reply:
-
-=========================  ==============  ============================================
-key                        record          holds
-=========================  ==============  ============================================
-``fedfusion.meta``         ConfigRecord    ``schema``, ``schema-version``, ``client-id``,
-                                           ``model``, ``model-kwargs`` (JSON),
-                                           ``num-members``, ``sections`` (list of str)
-``fedfusion.metrics``      MetricRecord    ``num-examples``, ``train-time-s``,
-                                           ``stats-time-s``, ``class-histogram`` (ints)
-``fedfusion.m{m}.{sec}``   ArrayRecord     member ``m``'s arrays of section ``sec``
-=========================  ==============  ============================================
-
-Section ``weights`` (the member's ``state_dict``) is always present; strategies that need
-more (curvature, Gram matrices, statistics) ask the clients for further sections and
-register a validator for each with :func:`register_section`. Arrays travel as ``.npy``
-bytes (Flower's ``Array``), never pickled.
-
-Decoding (:func:`decode_upload`) and loading from disk (:mod:`fedfusion.upload_store`) both
-end in :func:`validate_upload`: schema version, model, array names, dtypes, shapes,
-finiteness and magnitude. A bad upload raises :class:`UploadError` naming the client and the
-problem, and nothing else: whatever goes wrong while decoding or validating ONE client's
-upload (a malformed record, an absurd architecture, a library error) becomes an
-:class:`UploadError`, so the strategy excludes that client and the round goes on.
-
-Every input is untrusted, and checking it must not cost more than the honest upload would:
-
-* cost before validation: :func:`decode_upload` checks the metadata, the declared model
-  (``model-kwargs`` is capped in length and nesting depth before it is parsed), then every
-  array's name, dtype, shape and byte size from the flwr ``Array``'s own fields, the total
-  against ``max_upload_bytes`` (:data:`MAX_UPLOAD_BYTES`), and only then decodes the bytes,
-  after checking that each ``.npy`` header agrees with the declared fields. An upload that
-  declares 10**12 elements is refused without allocating them.
-* numbers: ``num-examples`` is capped (:data:`MAX_NUM_EXAMPLES`) and must equal the sum of
-  ``class-histogram`` when the client sends one; every array value is finite and within the
-  magnitude cap of its section (:data:`MAX_ABS_VALUES`), so finite but absurd values (weights
-  or curvature of 1e20) cannot drive a strategy's objective to inf or NaN.
-* arrays in a non-native byte order (``'>f4'``) are converted to native when decoded;
-  :func:`validate_upload` refuses them in a :class:`ClientUpload` built in memory.
+A bad upload raises :class:`UploadError` naming the client and the problem, and nothing else.
+The caps are module-level so that a deployment can change them (here, in this module).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.common.constant import SType
 
 from fedfusion.state import WIRE_DTYPES, StateLayout
-
-SCHEMA = "fedfusion.upload"
-SCHEMA_VERSION = 1
-META_KEY = "fedfusion.meta"
-METRICS_KEY = "fedfusion.metrics"
-WEIGHTS = "weights"
-MAX_MEMBERS = 64
+from fedfusion.wire.format import MAX_MEMBERS, WEIGHTS, ClientUpload, ParamShapes
 
 # ---- caps on what one client may send (module-level so that a deployment can change them)
 #: default cap on the bytes of one client's arrays (as declared, checked before decoding);
@@ -83,8 +35,6 @@ MAX_NDIM = 32
 #: metrics in ``fedfusion.metrics`` and the length of a list-valued one
 MAX_METRICS = 1024
 MAX_METRIC_LENGTH = 65536
-#: length of an ``.npy`` header (numpy's own default limit for untrusted files)
-MAX_NPY_HEADER_CHARS = 10_000
 #: an exclusion reason is clipped to this many characters (it lands in logs and results.json)
 MAX_REASON_CHARS = 2000
 
@@ -113,26 +63,14 @@ MAX_ABS_VALUES: dict[str, float] = {
     "gram": MAX_ABS_GRAM,
 }
 
-NumpyDict = dict[str, np.ndarray]
-ParamShapes = Mapping[str, tuple[int, ...]]
 SectionValidator = Callable[[Mapping[str, np.ndarray], ParamShapes], None]
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 #: dtypes of the ``weights`` section beyond floats: a ``state_dict``'s integer counters and
 #: bool / uint8 buffers (:mod:`fedfusion.state`); every other section holds floats only
 _STATE_DTYPES = tuple(dict.fromkeys(d.type for d in WIRE_DTYPES.values()))
-#: the dtype strings a wire Array may declare (``str(ndarray.dtype)`` and ``dtype.str``, in
-#: either byte order) -> the dtype; anything else is refused without being parsed
-_WIRE_DTYPES: dict[str, np.dtype] = {
-    spelling: dtype
-    for t in _STATE_DTYPES
-    for dtype in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))
-    for spelling in (str(dtype), dtype.str)
-}
 #: metrics the server turns into numbers (results.json): finite and >= 0
 _TIMING_METRICS = ("train-time-s", "stats-time-s")
 _TIMING_PREFIX = "time-s/"
-#: what :func:`decode_upload` tells a client that sent a plain Flower reply
-_REPLY_HELPER = "fedfusion.client.reply(msg, models, x, y)"
 
 
 def _clip(text: str, limit: int) -> str:
@@ -170,169 +108,6 @@ def value_cap(section: str) -> float:
     prefixes = [p for p in MAX_ABS_VALUES if p.endswith(".") and section.startswith(p)]
     return MAX_ABS_VALUES[max(prefixes, key=len)] if prefixes else MAX_ABS_DEFAULT
 
-
-@dataclass
-class ClientUpload:
-    """What one client sends in one round: M members, each a dict of named sections."""
-
-    client_id: int
-    model: str
-    model_kwargs: dict[str, object]
-    num_examples: int
-    members: list[dict[str, NumpyDict]]
-    metrics: dict[str, float | int | list[int] | list[float]] = field(default_factory=dict)
-    #: the Flower node it came from (set by the server; None for uploads made without Flower)
-    node_id: int | None = field(default=None, compare=False)
-
-    @property
-    def num_members(self) -> int:
-        return len(self.members)
-
-    @property
-    def sections(self) -> list[str]:
-        return sorted(self.members[0]) if self.members else []
-
-    def weights(self, member: int = 0) -> NumpyDict:
-        return self.members[member][WEIGHTS]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for m in self.members for sec in m.values() for a in sec.values())
-
-
-def member_key(member: int, section: str) -> str:
-    return f"fedfusion.m{member}.{section}"
-
-
-def _c_order(array: np.ndarray) -> np.ndarray:
-    """``array`` in C order, its shape kept (``np.ascontiguousarray`` turns a 0-d array, e.g.
-    BatchNorm's ``num_batches_tracked``, into shape ``(1,)``)."""
-    return array if array.flags.c_contiguous else array.copy(order="C")
-
-
-def encode_upload(upload: ClientUpload) -> RecordDict:
-    """Encode an upload into the RecordDict a ClientApp returns."""
-    content = RecordDict()
-    content[META_KEY] = ConfigRecord(
-        {
-            "schema": SCHEMA,
-            "schema-version": SCHEMA_VERSION,
-            "client-id": int(upload.client_id),
-            "model": upload.model,
-            "model-kwargs": json.dumps(upload.model_kwargs, sort_keys=True),
-            "num-members": upload.num_members,
-            "sections": upload.sections,
-        }
-    )
-    content[METRICS_KEY] = MetricRecord(
-        {"num-examples": int(upload.num_examples), **upload.metrics}
-    )
-    for m, member in enumerate(upload.members):
-        for section, arrays in member.items():
-            content[member_key(m, section)] = ArrayRecord(
-                {name: Array(_c_order(a)) for name, a in arrays.items()})
-    return content
-
-
-def decode_upload(
-    content: RecordDict,
-    client: str | int,
-    param_shapes: Callable[[str, dict[str, object]], ParamShapes],
-    required_sections: Iterable[str] = (WEIGHTS,),
-    max_upload_bytes: int = MAX_UPLOAD_BYTES,
-) -> ClientUpload:
-    """Decode and validate a train reply. ``param_shapes(model, kwargs)`` gives the
-    expected parameter shapes of the client's declared model (it may raise anything for an
-    unknown or absurd one).
-
-    Everything declared is checked before any array is decoded (see the module docstring);
-    the arrays of one client may declare at most ``max_upload_bytes`` bytes in all. Any
-    problem raises :class:`UploadError` naming ``client``; no other exception escapes."""
-    try:
-        return _decode(content, client, param_shapes, tuple(required_sections),
-                       max_upload_bytes)
-    except UploadError:
-        raise
-    except Exception as exc:  # the last net: one client's upload never crashes the server
-        raise UploadError(client, f"malformed upload: {_describe(exc)}") from exc
-
-
-def _decode(content: RecordDict, client: str | int,
-            param_shapes: Callable[[str, dict[str, object]], ParamShapes],
-            required_sections: tuple[str, ...], max_upload_bytes: int) -> ClientUpload:
-    if not isinstance(content, RecordDict):
-        raise UploadError(client, f"reply content is a {type(content).__name__}, "
-                                  f"not a RecordDict; build the reply with {_REPLY_HELPER}")
-    meta = _get_record(content, META_KEY, ConfigRecord, client)
-    metrics = _get_record(content, METRICS_KEY, MetricRecord, client)
-    _check_schema(meta, client)
-    num_members = _meta_value(meta, "num-members", int, client)
-    if not 1 <= num_members <= MAX_MEMBERS:
-        raise UploadError(client, f"num-members is {num_members}, expected 1..{MAX_MEMBERS}")
-    sections = _meta_value(meta, "sections", list, client)
-    _check_section_names(sections, client)
-    _check_required(sections, required_sections, "the upload", client)
-    upload = ClientUpload(
-        client_id=_meta_value(meta, "client-id", int, client),
-        model=_meta_value(meta, "model", str, client),
-        model_kwargs=_parse_model_kwargs(_meta_value(meta, "model-kwargs", str, client), client),
-        num_examples=metrics.get("num-examples"),  # type: ignore[arg-type]  # checked below
-        members=[],
-        metrics={k: v for k, v in metrics.items() if k != "num-examples"},
-    )
-    _check_header(upload, client)
-    shapes = _expected_shapes(upload, param_shapes, client)
-    # 1. declared fields only: names, dtypes, shapes, byte sizes (nothing decoded yet)
-    records: list[dict[str, ArrayRecord]] = []
-    declared: dict[tuple[int, str, str], tuple[np.dtype, tuple[int, ...]]] = {}
-    total = 0
-    for m in range(num_members):
-        member: dict[str, ArrayRecord] = {}
-        for section in sections:
-            record = _get_record(content, member_key(m, section), ArrayRecord, client)
-            where = f"member {m} section {section!r}"
-            if len(record) > MAX_ARRAYS_PER_SECTION:
-                raise UploadError(client, f"{where}: {len(record)} arrays, the cap is "
-                                          f"{MAX_ARRAYS_PER_SECTION}")
-            declared_shapes = {}
-            for name, array in record.items():
-                try:
-                    dtype, shape = declared[m, section, name] = _declared(name, array)
-                except ValueError as exc:
-                    raise UploadError(client, f"{where}: {exc}") from exc
-                declared_shapes[name] = shape
-                total += math.prod(shape) * dtype.itemsize
-                if total > max_upload_bytes:
-                    raise UploadError(client, _too_large(total, max_upload_bytes))
-            if section == WEIGHTS:
-                try:
-                    _check_weight_shapes(declared_shapes, shapes, {
-                        name: declared[m, section, name][0] for name in declared_shapes})
-                except ValueError as exc:
-                    raise UploadError(client, f"{where}: {exc}") from exc
-            member[section] = record
-        records.append(member)
-    # 2. every .npy header against its declared fields and its byte count (still no data)
-    layouts: list[dict[str, dict[str, _NpyLayout]]] = []
-    for m, member in enumerate(records):
-        layouts.append({})
-        for section, record in member.items():
-            layouts[m][section] = {}
-            for name, array in record.items():
-                try:
-                    layouts[m][section][name] = _wire_layout(name, array,
-                                                             *declared[m, section, name])
-                except Exception as exc:  # malformed headers: numpy raises many kinds
-                    raise UploadError(client, f"member {m} section {section!r}: "
-                                              f"{_describe(exc)}") from exc
-    # 3. decode
-    for m, member in enumerate(records):
-        upload.members.append({
-            section: {name: _from_buffer(array.data, layouts[m][section][name])
-                      for name, array in record.items()}
-            for section, record in member.items()})
-    _check_members(upload, shapes, required_sections, client, max_upload_bytes)
-    return upload
 
 
 def validate_upload(
@@ -457,21 +232,6 @@ def _json_depth(text: str) -> int:
     return deepest
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _parse_model_kwargs(text: str, client: str | int) -> dict[str, Any]:
-    """``model-kwargs`` JSON, length and depth capped BEFORE parsing; NaN/Infinity refused."""
-    _check_kwargs_text(text, client)
-    try:
-        kwargs = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise UploadError(client, f"model-kwargs is not JSON: {exc}") from exc
-    if not isinstance(kwargs, dict):
-        raise UploadError(client, "model-kwargs must be a JSON object")
-    return kwargs
-
 
 def _expected_shapes(upload: ClientUpload,
                      param_shapes: Callable[[str, dict[str, object]], ParamShapes],
@@ -503,22 +263,6 @@ def _check_required(sections: Iterable[str], required: Iterable[str], whose: str
         raise UploadError(who, f"{whose} lacks section(s) {missing} this strategy needs")
 
 
-def _declared(name: object, array: object) -> tuple[np.dtype, tuple[int, ...]]:
-    """Dtype and shape of a wire array from its declared fields only (nothing decoded)."""
-    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
-        raise ValueError(f"array name {_brief(name)} is not a string of at most "
-                         f"{MAX_NAME_CHARS} characters")
-    if not isinstance(array, Array):
-        raise ValueError(f"array {name!r} is a {type(array).__name__}, not a flwr Array")
-    if array.stype != SType.NUMPY:
-        raise ValueError(f"array {name!r} has serialisation {_brief(array.stype)}, expected "
-                         f"{SType.NUMPY!r}")
-    dtype = _WIRE_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
-    if dtype is None:
-        raise ValueError(f"array {name!r} has dtype {_clip(str(array.dtype), 40)}; uploads "
-                         "hold float16/32/64 arrays (and integer or bool state entries)")
-    return dtype, _checked_shape(name, array.shape)
-
 
 def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
     if not isinstance(shape, tuple | list) or len(shape) > MAX_NDIM or not all(
@@ -527,79 +271,6 @@ def _checked_shape(name: str, shape: object) -> tuple[int, ...]:
                          f"{MAX_NDIM} sizes >= 0")
     return tuple(shape)
 
-
-@dataclass(frozen=True)
-class _NpyLayout:
-    """What an ``.npy`` header declares, checked: its data is ``nbytes`` bytes at ``offset``."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    fortran: bool
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _npy_layout(stream: IO[bytes], size: int, name: str,
-                declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> _NpyLayout:
-    """Read and check the header of one ``.npy`` of ``size`` bytes (nothing else is read): a
-    float array, agreeing with ``declared`` (dtype, shape) when given, whose data is exactly
-    the rest of the ``size`` bytes."""
-    version = np.lib.format.read_magic(stream)
-    if version not in ((1, 0), (2, 0)):
-        raise ValueError(f"array {name!r}: .npy format version {version} is not supported")
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, fortran, dtype = read_header(stream, max_header_size=MAX_NPY_HEADER_CHARS)
-    if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
-        raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
-                         f"its declared fields {declared[0].str} {declared[1]}")
-    if dtype.type not in _STATE_DTYPES:
-        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
-                         "float16/32/64 arrays (and integer or bool state entries)")
-    layout = _NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
-    if size - layout.offset != layout.nbytes:
-        raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
-                         f"{layout.shape} and dtype {dtype.str} need {layout.nbytes}")
-    return layout
-
-
-def _wire_layout(name: str, array: Array, dtype: np.dtype, shape: tuple[int, ...]
-                 ) -> _NpyLayout:
-    if not isinstance(array.data, bytes | bytearray):
-        raise ValueError(f"array {name!r} data is a {type(array.data).__name__}, not bytes")
-    return _npy_layout(io.BytesIO(array.data), len(array.data), name, declared=(dtype, shape))
-
-
-def _from_buffer(buffer: bytes | bytearray, layout: _NpyLayout) -> np.ndarray:
-    """The array of a checked layout over ``buffer``: writable, C-ordered, native byte order
-    (one copy, unless ``buffer`` is a bytearray already in that form)."""
-    flat = np.frombuffer(buffer, dtype=layout.dtype, count=math.prod(layout.shape),
-                         offset=layout.offset)
-    array = flat.reshape(layout.shape, order="F" if layout.fortran else "C")
-    if isinstance(buffer, bytearray) and layout.dtype.isnative and not layout.fortran:
-        return array
-    # downstream torch.from_numpy refuses non-native byte order: convert while copying
-    return np.array(array, dtype=layout.dtype.newbyteorder("="), order="C")
-
-
-def _read_npy(stream: IO[bytes], size: int, name: str) -> np.ndarray:
-    """Decode one ``.npy`` of ``size`` bytes from ``stream`` (a zip member): the header is
-    checked first (:func:`_npy_layout`), then exactly its data is read, in bounded chunks
-    (a zip member inflates as it is read), into one buffer of that size."""
-    layout = _npy_layout(stream, size, name)
-    buffer = bytearray(layout.nbytes)
-    view, filled = memoryview(buffer), 0
-    while filled < layout.nbytes:
-        chunk = stream.read(min(layout.nbytes - filled, 1 << 24))
-        if not chunk:
-            raise ValueError(f"array {name!r} is truncated ({filled} of {layout.nbytes} data "
-                             "bytes)")
-        view[filled:filled + len(chunk)] = chunk
-        filled += len(chunk)
-    return _from_buffer(buffer, dataclasses.replace(layout, offset=0))
 
 
 def _check_members(upload: ClientUpload, shapes: ParamShapes, required: tuple[str, ...],
@@ -730,61 +401,3 @@ def register_section(name: str, validator: SectionValidator) -> None:
 
 def known_sections() -> list[str]:
     return sorted(_SECTION_VALIDATORS)
-
-
-def encode_models(state_dicts: Sequence[Mapping[str, np.ndarray]]) -> ArrayRecord:
-    """Server broadcast: M models in one ArrayRecord, keys ``"{m}/{param}"``."""
-    return ArrayRecord(
-        {
-            f"{m}/{name}": Array(_c_order(a))
-            for m, sd in enumerate(state_dicts)
-            for name, a in sd.items()
-        }
-    )
-
-
-def decode_models(record: ArrayRecord) -> list[NumpyDict]:
-    """Inverse of :func:`encode_models`."""
-    models: dict[int, NumpyDict] = {}
-    for key, array in record.items():
-        index, _, name = key.partition("/")
-        if not index.isdigit() or not name:
-            raise ValueError(f"broadcast array key {key!r} is not of the form '<m>/<param>'")
-        models.setdefault(int(index), {})[name] = array.numpy()
-    if sorted(models) != list(range(len(models))):
-        raise ValueError(f"broadcast members are not numbered 0..M-1: {sorted(models)}")
-    return [models[m] for m in range(len(models))]
-
-
-def _get_record(content: RecordDict, key: str, kind: type, client: str | int):  # noqa: ANN202
-    if key not in content:
-        if key == META_KEY:  # the usual mistake: a plain Flower reply
-            raise UploadError(
-                client, f"record {META_KEY!r} is missing: this reply is not a fedfusion upload "
-                f"(it holds records {_names(sorted(content.keys()))}); build the reply with "
-                f"{_REPLY_HELPER}")
-        raise UploadError(client, f"record {key!r} is missing")
-    record = content[key]
-    if not isinstance(record, kind):
-        raise UploadError(
-            client, f"record {key!r} is a {type(record).__name__}, not {kind.__name__}"
-        )
-    return record
-
-
-def _check_schema(meta: ConfigRecord, client: str | int) -> None:
-    if meta.get("schema") != SCHEMA:
-        raise UploadError(client, f"schema is {_brief(meta.get('schema'))}, expected {SCHEMA!r}")
-    version = meta.get("schema-version")
-    if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise UploadError(
-            client, f"schema-version {_brief(version)} is not supported (this server: "
-            f"{SCHEMA_VERSION})"
-        )
-
-
-def _meta_value(meta: ConfigRecord, key: str, kind: type, client: str | int):  # noqa: ANN202
-    value = meta.get(key)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise UploadError(client, f"meta {key!r} must be {kind.__name__}, got {_brief(value)}")
-    return value

@@ -3,7 +3,7 @@
 The server's strategy names the sections it needs (``config["sections"]``); the ClientApp
 runs the registered builder of each on every trained member. Builders for curvature and
 statistics register here with :func:`register_builder`, and their server-side validator
-with :func:`fedfusion.payload.register_section`.
+with :func:`fedfusion.wire.register_section`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from fedfusion.curvature import (
     fit_curvature,
 )
 from fedfusion.curvature.fit import param_shapes
-from fedfusion.payload import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 from fedfusion.state import state_arrays
+from fedfusion.wire import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
 
 @dataclass(frozen=True)

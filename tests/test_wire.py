@@ -5,7 +5,10 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 
-from fedfusion.payload import (
+from fedfusion.predictors import ModelSpec
+from fedfusion.strategies.base import FusionContext
+from fedfusion.upload_store import load_uploads, save_uploads
+from fedfusion.wire import (
     META_KEY,
     ClientUpload,
     UploadError,
@@ -15,9 +18,6 @@ from fedfusion.payload import (
     encode_upload,
     member_key,
 )
-from fedfusion.predictors import ModelSpec
-from fedfusion.strategies.base import FusionContext
-from fedfusion.upload_store import load_uploads, save_uploads
 
 SPEC = ModelSpec("lenet", (1, 28, 28), 10)
 CONTEXT = FusionContext(SPEC)

@@ -1,0 +1,97 @@
+"""``.npy`` parsing for untrusted arrays: the header is read and checked (version, dtype,
+shape, and that the data is exactly the bytes that follow) before any data is touched, then the
+data is read into one buffer of that size, in native byte order.
+
+Used for a wire ``Array``'s bytes (:func:`wire_layout`, :func:`from_buffer`) and for the arrays
+of a cached upload's npz (:func:`read_npy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+from flwr.app import Array
+
+from fedfusion.wire.validation import _STATE_DTYPES, _brief, _checked_shape, _clip
+
+#: length of an ``.npy`` header (numpy's own default limit for untrusted files)
+MAX_NPY_HEADER_CHARS = 10_000
+
+
+@dataclass(frozen=True)
+class NpyLayout:
+    """What an ``.npy`` header declares, checked: its data is ``nbytes`` bytes at ``offset``."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def npy_layout(stream: IO[bytes], size: int, name: str,
+                declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> NpyLayout:
+    """Read and check the header of one ``.npy`` of ``size`` bytes (nothing else is read): a
+    float array, agreeing with ``declared`` (dtype, shape) when given, whose data is exactly
+    the rest of the ``size`` bytes."""
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"array {name!r}: .npy format version {version} is not supported")
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read_header(stream, max_header_size=MAX_NPY_HEADER_CHARS)
+    if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
+        raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
+                         f"its declared fields {declared[0].str} {declared[1]}")
+    if dtype.type not in _STATE_DTYPES:
+        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
+                         "float16/32/64 arrays (and integer or bool state entries)")
+    layout = NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
+    if size - layout.offset != layout.nbytes:
+        raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
+                         f"{layout.shape} and dtype {dtype.str} need {layout.nbytes}")
+    return layout
+
+
+def wire_layout(name: str, array: Array, dtype: np.dtype, shape: tuple[int, ...]
+                 ) -> NpyLayout:
+    if not isinstance(array.data, bytes | bytearray):
+        raise ValueError(f"array {name!r} data is a {type(array.data).__name__}, not bytes")
+    return npy_layout(io.BytesIO(array.data), len(array.data), name, declared=(dtype, shape))
+
+
+def from_buffer(buffer: bytes | bytearray, layout: NpyLayout) -> np.ndarray:
+    """The array of a checked layout over ``buffer``: writable, C-ordered, native byte order
+    (one copy, unless ``buffer`` is a bytearray already in that form)."""
+    flat = np.frombuffer(buffer, dtype=layout.dtype, count=math.prod(layout.shape),
+                         offset=layout.offset)
+    array = flat.reshape(layout.shape, order="F" if layout.fortran else "C")
+    if isinstance(buffer, bytearray) and layout.dtype.isnative and not layout.fortran:
+        return array
+    # downstream torch.from_numpy refuses non-native byte order: convert while copying
+    return np.array(array, dtype=layout.dtype.newbyteorder("="), order="C")
+
+
+def read_npy(stream: IO[bytes], size: int, name: str) -> np.ndarray:
+    """Decode one ``.npy`` of ``size`` bytes from ``stream`` (a zip member): the header is
+    checked first (:func:`npy_layout`), then exactly its data is read, in bounded chunks
+    (a zip member inflates as it is read), into one buffer of that size."""
+    layout = npy_layout(stream, size, name)
+    buffer = bytearray(layout.nbytes)
+    view, filled = memoryview(buffer), 0
+    while filled < layout.nbytes:
+        chunk = stream.read(min(layout.nbytes - filled, 1 << 24))
+        if not chunk:
+            raise ValueError(f"array {name!r} is truncated ({filled} of {layout.nbytes} data "
+                             "bytes)")
+        view[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return from_buffer(buffer, dataclasses.replace(layout, offset=0))
