@@ -130,6 +130,8 @@ METHODS: dict[str, tuple[dict[str, object], tuple[str, ...], int, bool]] = {
     "fedbens": ({}, ("curvature.kron",), 0, False),
     "fedbens_avgstats": ({"strategy": "fedbens", "norm_stats": "average"},
                          ("curvature.kron",), 0, True),
+    "fedbens_mean": ({"strategy": "fedbens", "fedbens_starts": "mean"},
+                     ("curvature.kron",), 0, True),
     "ensemble": ({"strategy": "ensemble"}, (), 0, False),
     "ams": ({"strategy": "ams", "ams_top_k": 1}, (), 1, False),
     "fedavg": ({"strategy": "fedavg"}, (), 1, False),
@@ -146,6 +148,7 @@ METHODS: dict[str, tuple[dict[str, object], tuple[str, ...], int, bool]] = {
 LABELS = {
     "fedbens": "FedBEns (Kron, M = 3; norm-stats auto)",
     "fedbens_avgstats": "FedBEns, norm-stats average",
+    "fedbens_mean": "FedBEns, starts mean (per-member averages)",
     "ensemble": "uniform ensemble (C x M members)",
     "ams": "AMS-top1 (member 0 of each client)",
     "fedavg": "FedAvg (norm-stats auto)",

@@ -64,5 +64,6 @@ def test_ams_top1_follows_the_concatenation_on_this_toy(results, toy):
 
 
 def test_the_figure_is_written(results, toy, tmp_path):
+    pytest.importorskip("matplotlib")  # the App's plotting extra, absent from library-only envs
     path = toy.plot(list(results.values()), tmp_path / "toy.png", "leaky_relu")
     assert path.stat().st_size > 10_000
