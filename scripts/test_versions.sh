@@ -13,7 +13,7 @@ LIB_TESTS=(tests/test_accel.py tests/test_ams_toy.py tests/test_client_errors.py
            tests/test_curvature.py tests/test_evaluation.py tests/test_fast_kron.py
            tests/test_fuzz.py tests/test_gaussianity.py tests/test_hostile_uploads.py
            tests/test_kernels.py tests/test_layers.py tests/test_library.py
-           tests/test_node_sampling.py tests/test_payload.py tests/test_real_models.py
+           tests/test_node_sampling.py tests/test_wire.py tests/test_real_models.py
            tests/test_side_effects.py tests/test_training.py)
 
 run_end() {
