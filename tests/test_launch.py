@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
@@ -53,9 +54,14 @@ def test_staging_takes_fab_files_that_gitignore_keeps_and_no_symlinks(tmp_path) 
 def test_the_launcher_sets_the_flag_only_for_apps_that_have_it(tmp_path, monkeypatch) -> None:
     """``launch`` runs simulations: it turns largest-client-first on unless the run config
     says otherwise, and leaves it out for an App whose run config lacks the key."""
-    commands = []
-    monkeypatch.setattr(launch_module, "run_flwr",
-                        lambda command, *_, **__: commands.append(command))
+    commands, homes = [], []
+
+    def run_flwr(command, env, *_args, **_kwargs):
+        commands.append(command)
+        homes.append(Path(env["FLWR_HOME"]))
+        assert homes[-1].is_dir()
+
+    monkeypatch.setattr(launch_module, "run_flwr", run_flwr)
     example = APP_DIR / "examples" / "digits"
     for run_config, app_dir in (("", APP_DIR), ("largest-client-first=false", APP_DIR),
                                 ("", example)):
@@ -64,6 +70,7 @@ def test_the_launcher_sets_the_flag_only_for_apps_that_have_it(tmp_path, monkeyp
     flags = [[item for item in command if item.startswith("largest-client-first")]
              for command in commands]
     assert flags == [["largest-client-first=true"], ["largest-client-first=false"], []]
+    assert homes and not any(home.exists() for home in homes)  # removed after failed launches
 
 
 @pytest.mark.parametrize(("signum", "exit_code", "group"), [

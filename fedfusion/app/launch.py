@@ -355,7 +355,9 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
         finally:
             if in_main_thread:
                 signal.signal(signal.SIGTERM, previous_sigterm)
-            shutil.rmtree(staged, ignore_errors=True)
+            # the private Flower home (the staged App, the SuperLink's files: ~5 MB), also
+            # after a failed or interrupted launch
+            shutil.rmtree(flwr_home, ignore_errors=True)
     results_file = Path(paths["output-dir"]) / run_name / "results.json"
     if not results_file.is_file():
         raise RuntimeError(f"the run wrote no {results_file}: see the log above")
