@@ -118,7 +118,12 @@ def load_predictor(path: str | Path, device: str | torch.device = "cpu",
     containers only), and its kind, spec fields and state tensors are checked before any
     model is built (each spec is first built on the meta device, which allocates nothing, and
     its parameter names and shapes compared with the saved tensors'), so a bad file raises a
-    ValueError naming the field instead of allocating what the spec claims."""
+    ValueError naming the field instead of allocating what the spec claims. Each state tensor's
+    real storage is checked against its shape before anything is copied: a tensor whose view
+    needs more elements than its storage holds (a stride-0 "expanded" tensor, one float
+    standing for a large shape), or members whose views of one storage add up to more than the
+    file's distinct storages hold, is refused, so that loading allocates at most about what
+    the file holds."""
     path = Path(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -148,6 +153,7 @@ def _check_payload(path: Path, payload: object, model_fn: ModelFn | None = None)
                          f"({len(specs)})")
     for i, (spec, state) in enumerate(zip(specs, states, strict=True)):
         _check_member(path, i, spec, state, model_fn)
+    _check_storage_total(path, states)
     if kind == MaxLogitSelector.kind:
         check_int(f"{path}", "top_k", payload.get("top_k"), 0, MAX_PREDICTOR_MEMBERS)
 
@@ -186,3 +192,43 @@ def _check_member(path: Path, i: int, spec: object, state: object,
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
             raise ValueError(f"{path}: states[{i}][{name!r}] is {tensor.dtype} "
                              f"{tuple(tensor.shape)}, the model needs a float tensor {shape}")
+        _check_storage(f"{path}: states[{i}][{name!r}]", tensor)
+
+
+def _view_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _check_storage(where: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor whose view needs more bytes than its real storage holds (stride 0 or
+    otherwise overlapping: copying it would materialise the whole declared shape)."""
+    needed = _view_bytes(tensor)
+    held = tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    if tensor.numel() == 0:
+        return
+    reach = 1 + sum((size - 1) * stride for size, stride in
+                    zip(tensor.shape, tensor.stride(), strict=True))
+    if any(stride < 0 for stride in tensor.stride()) or needed > held or (
+            reach * tensor.element_size() > held):
+        raise ValueError(f"{where} declares {tuple(tensor.shape)} ({needed} bytes) over "
+                         f"{max(held, 0)} bytes of storage (strides {tensor.stride()}): an "
+                         "expanded or overlapping tensor, not a saved state")
+
+
+def _check_storage_total(path: Path, states: list[Any]) -> None:
+    """Refuse members whose tensors share storage so that, copied into models, they would
+    take more than the file's distinct storages hold (a tensor listed twice under one member,
+    as tied weights are, counts once)."""
+    storages: dict[int, int] = {}
+    needed = 0
+    for state in states:
+        views = {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                  t.stride(), t.dtype): _view_bytes(t) for t in state.values()}
+        needed += sum(views.values())
+        for tensor in state.values():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    if needed > sum(storages.values()):
+        raise ValueError(f"{path}: the states declare {needed} bytes of tensors over "
+                         f"{sum(storages.values())} bytes of storage: tensors shared between "
+                         "members or entries, not a saved predictor")

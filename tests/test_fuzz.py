@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
 
+from fedfusion.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,
@@ -364,3 +365,49 @@ def test_the_fuzzed_honest_upload_is_valid():
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+# ------------------------------------------------------------------ predictor files
+
+@st.composite
+def strided_views(draw: st.DrawFn, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``shape`` over a storage of any size, with any strides."""
+    kind = draw(st.sampled_from(["honest", "expand", "strided", "short"]))
+    if kind == "honest":
+        return torch.zeros(shape)
+    if kind == "expand":
+        return torch.zeros(1).expand(shape)
+    numel = int(np.prod(shape))
+    if kind == "short" and numel > 1:
+        return torch.zeros(numel - draw(st.integers(1, numel - 1))).view(-1)[:1].expand(shape)
+    strides = tuple(draw(st.lists(st.integers(0, 20), min_size=len(shape),
+                                  max_size=len(shape))))
+    reach = 1 + sum((s - 1) * t for s, t in zip(shape, strides, strict=True))
+    storage = torch.zeros(max(reach, 1) + draw(st.integers(0, 50)))
+    return torch.as_strided(storage, shape, strides)
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.data())
+def test_predictor_files_with_any_strides_load_or_raise_value_error(data):
+    spec = TINY
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in spec.build().state_dict().items()}
+    members = data.draw(st.integers(1, 3))
+    shared = {k: data.draw(strided_views(s)) for k, s in shapes.items()}
+    states = [shared if data.draw(st.booleans()) else
+              {k: data.draw(strided_views(s)) for k, s in shapes.items()}
+              for _ in range(members)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "p.pt"
+        torch.save({"kind": "ensemble", "specs": [spec.to_dict()] * members,
+                    "states": states}, path)
+        try:
+            predictor = load_predictor(path)
+        except ValueError:
+            return
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for state in states for t in state.values()}.values())
+    built = sum(p.numel() * p.element_size() for p in predictor.state_dict().values())
+    assert built <= held  # what loading materialised, the file held
+    predictor(torch.zeros(2, *spec.input_shape))
