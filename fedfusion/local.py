@@ -9,12 +9,14 @@ For tests, notebooks and small experiments with your own ClientApp::
 Node ``i`` has id ``100 + i`` and node config ``{"partition-id": i, "num-partitions": N}``
 (plus ``node_configs[i]``); each keeps its own ``context.state`` across rounds, as Flower's
 SuperNodes do. Clients run one after another; the round ``timeout`` is honoured as on a real
-grid, where they work in parallel: a client whose own work took longer sends no reply.
+grid, where they work in parallel: each client gets ``timeout`` seconds of its own, and one
+that has not replied by then (slow or hung) is left behind and sends no reply.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -80,23 +82,34 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
                          ) -> list[Message]:
+        """Run each addressed node's ClientApp, one after another, each in a worker thread
+        given ``timeout`` seconds of its own (a real grid's nodes work in parallel): a node
+        that has not replied by then is left behind, as a real grid stops waiting for it (its
+        thread finishes, or hangs, in the background; its reply is dropped)."""
         replies = []
         for msg in messages:
             node = msg.metadata.dst_node_id
             index = self.node_ids.index(node)
-            start = time.perf_counter()
-            try:
-                time.sleep(self.delay.get(index, 0.0))
-                if index in self.crash:
-                    raise MemoryError(f"client {index} ran out of memory")
-                reply = self.client_app(msg, self.contexts[node])
-            except Exception as exc:  # what Flower does with a ClientApp exception
-                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"),
-                                reply_to=msg)
-            if timeout is not None and time.perf_counter() - start > timeout:
+            outcome: list[Message] = []
+            worker = threading.Thread(target=self._run_node, args=(msg, node, index, outcome),
+                                      name=f"fedfusion-local-node-{node}", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive() or not outcome:
                 continue  # too late: the grid stopped waiting for this node
+            reply = outcome[0]
             replies.append(self.tamper(index, reply) if self.tamper else reply)
         return replies
+
+    def _run_node(self, msg: Message, node: int, index: int, outcome: list[Message]) -> None:
+        try:
+            time.sleep(self.delay.get(index, 0.0))
+            if index in self.crash:
+                raise MemoryError(f"client {index} ran out of memory")
+            outcome.append(self.client_app(msg, self.contexts[node]))
+        except Exception as exc:  # what Flower does with a ClientApp exception
+            outcome.append(Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"),
+                                   reply_to=msg))
 
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)

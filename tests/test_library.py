@@ -219,6 +219,34 @@ def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
                for e in strategy.exclusions)
 
 
+def test_a_hung_client_is_left_behind_at_the_round_timeout(fmnist):
+    """LocalGrid honours the timeout as a real grid does: a client that never returns does
+    not block the round (issue 26: 20 s and counting with round-timeout 5)."""
+    import threading
+    import time
+
+    release = threading.Event()
+    inner = untrained_client_app(fmnist)
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] == 1:
+            release.wait(600)  # hung until the test ends
+        return inner(msg, context)
+
+    strategy = FedAvg(UserNet, num_clients=3, round_timeout=2.0)
+    started = time.perf_counter()
+    try:
+        strategy.start(LocalGrid(app, 3))
+    finally:
+        release.set()
+    assert time.perf_counter() - started < 30  # the two honest clients + one 2 s wait
+    assert [u.client_id for u in strategy.uploads] == [100, 102]
+    assert strategy.exclusions == [{"round": 1, "client": "node 101",
+                                    "reason": "no reply within 2 s"}]
+
+
 def test_a_long_client_error_keeps_its_root_cause():
     """A Ray-wrapped traceback is cut to its first line and its last error line."""
     reason = ("client error: ClientAppException: exception in ClientApp\n" + "  frame\n" * 400
