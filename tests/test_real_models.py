@@ -349,7 +349,7 @@ def test_fedavg_statistics_rule_average_and_recalibrate():
     weights = np.array([10.0, 20.0, 30.0]) / 60
     expected = sum(w * u.weights(0)["bn1.running_mean"] for w, u in zip(weights, uploads,
                                                                         strict=True))
-    np.testing.assert_allclose(average.bn1.running_mean.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(average.bn1.running_mean.numpy(), expected, rtol=1e-5)  # float32
     # the counter: the heaviest client's, not an average
     assert int(average.bn1.num_batches_tracked) == int(uploads[2].weights(0)[
         "bn1.num_batches_tracked"])
