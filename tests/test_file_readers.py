@@ -4,16 +4,22 @@ symlinks in them (item 7) and replays whose clients add up (item 8)."""
 
 from __future__ import annotations
 
+import io
 import resource
 import subprocess
 import sys
 import textwrap
+import time
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from fedfusion.architecture import ModelSpec
+from fedfusion.datasets import PartitionError
+from fedfusion.datasets import partition_file as pf
 from fedfusion.predictors import Ensemble, load_predictor, save_predictor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,4 +118,117 @@ def test_an_expanded_predictor_of_16_gb_is_refused_in_bounded_memory(tmp_path):
     assert out.startswith("refused") and "over 4 bytes of storage" in out
     assert (tmp_path / "big.pt").stat().st_size < 4096
     assert float(out.split()[1]) < 5
+    assert peak < 1024, f"peak RSS {peak:.0f} MB"
+
+
+# ------------------------------------------------------------------ item 6: partition files
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def npy_header(shape: tuple[int, ...], descr: str = "<i8") -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def write_zip(path: Path, members: dict[str, bytes],
+              compression: int = zipfile.ZIP_DEFLATED) -> Path:
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def claim_uncompressed_size(path: Path, size: int) -> None:
+    """Patch every central-directory entry of a zip to claim ``size`` uncompressed bytes."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        data[at + 24:at + 28] = size.to_bytes(4, "little")
+        at = data.find(b"PK\x01\x02", at + 4)
+    path.write_bytes(bytes(data))
+
+
+ROWS = npy_bytes(np.arange(3, dtype=np.int64))
+PARTITION_DEFECTS = {
+    "deep json": (lambda p: p.with_suffix(".json").write_text(
+        '{"clients": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        ".json", "nests 100001 levels deep, the limit is 8"),
+    "deep json under a key": (lambda p: p.with_suffix(".json").write_text(
+        '{"k": {"clients": [[0], [1' + "[" * 9 + "]" * 9 + "]]}}"),
+        ".json", "nests 13 levels deep"),
+    "big json": (lambda p: p.with_suffix(".json").write_bytes(
+        b" " * (pf.MAX_PARTITION_JSON_BYTES + 1)),
+        ".json", f"over the {16 << 20} byte limit of a .json partition"),
+    "npy header claims 8 TiB": (lambda p: write_zip(p, {
+        "client0.npy": npy_header((2**40,)) + b"\0" * 8, "client1.npy": ROWS}),
+        ".npz", "array 'client0' holds 8 data bytes; its shape (1099511627776,) and dtype "
+                "<i8 need 8796093022208"),
+    "zip header claims 4 GiB": (lambda p: claim_uncompressed_size(write_zip(p, {
+        "client0.npy": ROWS, "client1.npy": ROWS}), 2**32 - 16),
+        ".npz", "its arrays declare 8589934560 uncompressed bytes in the zip headers, over "
+                "the 1073741824 byte limit; not inflated"),
+    "npy header claims too few": (lambda p: write_zip(p, {
+        "client0.npy": npy_header((2,)) + b"\0" * 24, "client1.npy": ROWS}),
+        ".npz", "array 'client0' holds 24 data bytes; its shape (2,) and dtype <i8 need 16"),
+    "object array": (lambda p: write_zip(p, {
+        "client0.npy": npy_header((2,), "|O") + b"\0" * 16, "client1.npy": ROWS}),
+        ".npz", "array 'client0' has dtype object; expected one of"),
+    "bzip2 member": (lambda p: write_zip(p, {"client0.npy": ROWS, "client1.npy": ROWS},
+                                         zipfile.ZIP_BZIP2),
+                     ".npz", "uses zip compression 12; np.savez writes stored or deflated"),
+}
+
+
+@pytest.mark.parametrize("case", PARTITION_DEFECTS)
+def test_partition_file_defects_are_partition_errors_naming_the_file(tmp_path, case):
+    write, suffix, message = PARTITION_DEFECTS[case]
+    path = tmp_path / f"p{suffix}"
+    write(path)
+    start = time.perf_counter()
+    with pytest.raises(PartitionError) as info:
+        pf.read_partition_file(path, num_rows=10, num_clients=2, key="k" if "key" in case
+                               else "")
+    assert time.perf_counter() - start < 3
+    assert f"partition file {str(path)!r}" in str(info.value)
+    assert message in str(info.value)
+
+
+def test_npz_partitions_of_stored_and_deflated_rows_still_load(tmp_path):
+    for compression in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        path = write_zip(tmp_path / "p.npz", {
+            "g/client0.npy": npy_bytes(np.array([4, 0], dtype=np.int32)),
+            "g/client1": npy_bytes(np.array([1], dtype=np.uint8)),
+            "g/val.npy": npy_bytes(np.array([2, 2])), "other/client0.npy": b"junk"},
+            compression)
+        part = pf.read_partition_file(path, num_rows=10, num_clients=2, key="g")
+        assert [c.tolist() for c in part.clients] == [[4, 0], [1]]
+        assert part.val is not None and part.val.tolist() == [2, 2]
+
+
+def test_hostile_partition_files_are_refused_in_bounded_memory(tmp_path):
+    """The 8 TiB header and the deep and largest JSON, in a fresh interpreter."""
+    for case in ("npy header claims 8 TiB", "deep json", "big json"):
+        write, suffix, _ = PARTITION_DEFECTS[case]
+        write(tmp_path / f"{case.replace(' ', '_')}{suffix}")
+    code = """
+        import sys, time
+        from pathlib import Path
+        from fedfusion.datasets import PartitionError
+        from fedfusion.datasets.partition_file import read_partition_file
+        for path in sorted(Path(sys.argv[1]).iterdir()):
+            start = time.perf_counter()
+            try:
+                read_partition_file(path, num_rows=10, num_clients=2)
+            except PartitionError:
+                print(path.name, time.perf_counter() - start)
+    """
+    out, peak = run_python(code, str(tmp_path))
+    times = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()}
+    assert len(times) == 3 and max(times.values()) < 5, times
     assert peak < 1024, f"peak RSS {peak:.0f} MB"

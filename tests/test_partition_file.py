@@ -4,7 +4,9 @@ Fashion-MNIST, input normalisation constants, and a whole run + replay pinned by
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +257,34 @@ def test_run_and_replay_are_pinned_to_the_file(tmp_path):
     with pytest.raises(ConfigError, match="file changed since"):
         run_server(Settings(strategy="ensemble", output_dir=str(tmp_path), run_name="stale",
                             replay=str(tmp_path / "live" / "uploads")))
+
+
+@settings(FUZZ, max_examples=150)
+@given(shape=st.lists(st.integers(0, 2**62), max_size=3).map(tuple),
+       descr=st.sampled_from(["<i8", ">i4", "|u1", "<f8", "|O", "<U2", "|b1", "V4"]),
+       data=st.binary(max_size=64), claimed=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+       deflate=st.booleans())
+def test_fuzz_npz_headers_give_a_valid_partition_or_a_partition_error(
+        tmp_path_factory, shape, descr, data, claimed, deflate):
+    """Any .npy header (shape up to 2**62 per axis, any dtype) over any bytes, and any
+    uncompressed size claimed in the zip's central directory: refused before inflating."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": descr, "fortran_order": False, "shape": shape})
+    path = tmp_path_factory.mktemp("fuzz") / "p.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+                         ) as archive:
+        archive.writestr("client0.npy", header.getvalue() + data)
+        buffer = io.BytesIO()
+        np.save(buffer, np.array([40, 41]))
+        archive.writestr("client1.npy", buffer.getvalue())
+    if claimed is not None:
+        raw = bytearray(path.read_bytes())
+        at = raw.find(b"PK\x01\x02")
+        raw[at + 24:at + 28] = claimed.to_bytes(4, "little")
+        path.write_bytes(bytes(raw))
+    try:
+        part = read_partition_file(path, num_rows=50, num_clients=2)
+    except PartitionError:
+        return
+    assert part.clients[1].tolist() == [40, 41] and part.clients[0].size

@@ -29,9 +29,25 @@ from pathlib import Path
 import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
+from fedfusion.wire.npy import npy_layout, read_npy
+from fedfusion.wire.validation import _json_depth
 
 #: a partition file larger than this is refused unread (60,000 rows as JSON are ~0.4 MB)
 MAX_PARTITION_FILE_BYTES = 1 << 30
+#: the arrays an ``.npz`` partition reads may declare at most this many uncompressed bytes
+#: (zip and ``.npy`` headers are checked against it before anything is inflated)
+MAX_PARTITION_ARRAY_BYTES = 1 << 30
+#: a ``.json`` partition larger than this is refused unread (about 2 million rows; larger
+#: partitions belong in an ``.npz``): parsing holds ~5x the text as Python objects
+MAX_PARTITION_JSON_BYTES = 16 << 20
+#: JSON nesting deeper than this is refused before parsing (a partition nests 3 levels, 4
+#: under a key; deep nesting makes the parser recurse until RecursionError)
+MAX_PARTITION_JSON_DEPTH = 8
+#: the scalar types a partition's row arrays may have in their ``.npy`` headers
+_ROW_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+               np.uint64, np.float16, np.float32, np.float64, np.bool_)
+#: zip compressions np.savez / np.savez_compressed write (others inflate unbounded)
+_ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 _CLIENT_NAME = re.compile(r"client(\d+)")
 
 
@@ -83,8 +99,10 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
             raise PartitionError(f"{where}: unknown format {suffix!r}; use .npz or .json")
     except PartitionError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise PartitionError(f"{where} is not a readable {suffix} file: {exc}") from exc
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, RecursionError,
+            MemoryError) as exc:  # the last two only if a check above missed a case
+        raise PartitionError(f"{where} is not a readable {suffix} file: "
+                             f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     clients_raw, val_raw = named
     if len(clients_raw) != num_clients:
         raise PartitionError(f"{where} holds {len(clients_raw)} client(s) but num-clients is "
@@ -133,32 +151,64 @@ def write_partition_file(path: str | Path, clients: Sequence[Sequence[int] | np.
 
 
 def _read_npz(path: Path, key: str, where: str) -> tuple[list[object], object | None]:
+    """The client (and val) arrays of an ``.npz``: every needed member's zip entry and
+    ``.npy`` header is checked (compression, declared sizes, dtype, shape against data
+    bytes) before any array is read, and their declared total is capped."""
     prefix = f"{key}/" if key else ""
-    loaded = np.load(path, allow_pickle=False)
-    if not isinstance(loaded, np.lib.npyio.NpzFile):  # a bare .npy under an .npz name
-        raise PartitionError(f"{where} is not an .npz archive (np.savez writes one)")
-    with loaded as archive:
-        names = [n for n in archive.files if n.startswith(prefix)]
+    with open(path, "rb") as handle:
+        if not zipfile.is_zipfile(handle):  # e.g. a bare .npy under an .npz name
+            raise PartitionError(f"{where} is not an .npz archive (np.savez writes one)")
+    with zipfile.ZipFile(path) as archive:
+        infos = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
         found = {}
-        for name in names:
-            match = _CLIENT_NAME.fullmatch(name[len(prefix):])
+        for name in infos:
+            match = _CLIENT_NAME.fullmatch(name[len(prefix):]) if name.startswith(
+                prefix) else None
             if match:
                 found[int(match.group(1))] = name
         if not found:
-            groups = sorted({n.rsplit("/", 1)[0] for n in archive.files if "/" in n})
+            groups = sorted({n.rsplit("/", 1)[0] for n in infos if "/" in n})
             hint = (f"; its groups are {', '.join(groups[:20])} (set partition-key)"
                     if groups else "")
             raise PartitionError(f"{where} holds no arrays named {prefix}client<i>{hint}")
         if sorted(found) != list(range(len(found))):
             raise PartitionError(f"{where}: client arrays must be numbered 0..{len(found) - 1}, "
                                  f"found {sorted(found)[:20]}")
-        clients = [archive[found[c]] for c in range(len(found))]
-        val = archive[f"{prefix}val"] if f"{prefix}val" in archive.files else None
-    return clients, val
+        names = [found[c] for c in range(len(found))]
+        if f"{prefix}val" in infos:
+            names.append(f"{prefix}val")
+        declared = sum(infos[name].file_size for name in names)
+        if declared > MAX_PARTITION_ARRAY_BYTES:
+            raise PartitionError(f"{where}: its arrays declare {declared} uncompressed bytes in "
+                                 f"the zip headers, over the {MAX_PARTITION_ARRAY_BYTES} byte "
+                                 "limit; not inflated")
+        for name in names:  # every header first: nothing is inflated beyond them
+            info = infos[name]
+            if info.compress_type not in _ZIP_COMPRESSIONS:
+                raise PartitionError(f"{where}: array {name!r} uses zip compression "
+                                     f"{info.compress_type}; np.savez writes stored or deflated")
+            with archive.open(info) as stream:
+                npy_layout(stream, info.file_size, name, dtypes=_ROW_DTYPES)
+        arrays = []
+        for name in names:
+            with archive.open(infos[name]) as stream:
+                arrays.append(read_npy(stream, infos[name].file_size, name, dtypes=_ROW_DTYPES))
+    val = arrays.pop() if f"{prefix}val" in infos else None
+    return arrays, val
 
 
 def _read_json(path: Path, key: str, where: str) -> tuple[list[object], object | None]:
-    content = json.loads(path.read_bytes())
+    size = path.stat().st_size
+    if size > MAX_PARTITION_JSON_BYTES:
+        raise PartitionError(f"{where} is {size} bytes, over the {MAX_PARTITION_JSON_BYTES} "
+                             "byte limit of a .json partition (write larger ones as .npz)")
+    raw = path.read_bytes()
+    text = raw.decode(json.detect_encoding(raw))
+    depth = _json_depth(text)
+    if depth > MAX_PARTITION_JSON_DEPTH:
+        raise PartitionError(f"{where} nests {depth} levels deep, the limit is "
+                             f"{MAX_PARTITION_JSON_DEPTH} (a partition nests 3, 4 under a key)")
+    content = json.loads(text)
     if key:
         if not isinstance(content, dict) or key not in content:
             keys = sorted(content)[:20] if isinstance(content, dict) else []

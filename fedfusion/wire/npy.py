@@ -38,10 +38,12 @@ class NpyLayout:
 
 
 def npy_layout(stream: IO[bytes], size: int, name: str,
-                declared: tuple[np.dtype, tuple[int, ...]] | None = None) -> NpyLayout:
+                declared: tuple[np.dtype, tuple[int, ...]] | None = None,
+                dtypes: tuple[type, ...] | None = None) -> NpyLayout:
     """Read and check the header of one ``.npy`` of ``size`` bytes (nothing else is read): a
-    float array, agreeing with ``declared`` (dtype, shape) when given, whose data is exactly
-    the rest of the ``size`` bytes."""
+    float array (or a state entry's integer or bool; ``dtypes`` overrides the scalar types
+    allowed), agreeing with ``declared`` (dtype, shape) when given, whose data is exactly the
+    rest of the ``size`` bytes."""
     version = np.lib.format.read_magic(stream)
     if version not in ((1, 0), (2, 0)):
         raise ValueError(f"array {name!r}: .npy format version {version} is not supported")
@@ -51,7 +53,10 @@ def npy_layout(stream: IO[bytes], size: int, name: str,
     if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
         raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
                          f"its declared fields {declared[0].str} {declared[1]}")
-    if dtype.type not in _STATE_DTYPES:
+    if dtypes is not None and dtype.type not in dtypes:
+        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; expected one of "
+                         f"{', '.join(sorted(np.dtype(t).name for t in dtypes))}")
+    if dtypes is None and dtype.type not in _STATE_DTYPES:
         raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
                          "float16/32/64 arrays (and integer or bool state entries)")
     layout = NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
@@ -80,11 +85,12 @@ def from_buffer(buffer: bytes | bytearray, layout: NpyLayout) -> np.ndarray:
     return np.array(array, dtype=layout.dtype.newbyteorder("="), order="C")
 
 
-def read_npy(stream: IO[bytes], size: int, name: str) -> np.ndarray:
+def read_npy(stream: IO[bytes], size: int, name: str, dtypes: tuple[type, ...] | None = None
+             ) -> np.ndarray:
     """Decode one ``.npy`` of ``size`` bytes from ``stream`` (a zip member): the header is
     checked first (:func:`npy_layout`), then exactly its data is read, in bounded chunks
     (a zip member inflates as it is read), into one buffer of that size."""
-    layout = npy_layout(stream, size, name)
+    layout = npy_layout(stream, size, name, dtypes=dtypes)
     buffer = bytearray(layout.nbytes)
     view, filled = memoryview(buffer), 0
     while filled < layout.nbytes:
