@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,3 +110,27 @@ def sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int = 
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             optimizer.step()
     model.eval()
+
+
+def sgd_client_app(model_fn: Callable[[], torch.nn.Module], data: dict, epochs: int = 1,
+                   reply: Callable[..., Any] | None = None) -> Any:
+    """A user's ClientApp: client ``partition-id`` of ``data`` (``"client<i>"``), the
+    broadcast models trained by :func:`sgd`, answered with ``reply`` (default
+    ``fedfusion.client.reply``)."""
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+
+    from fedfusion import client
+
+    answer = reply or client.reply
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        x, y = data[f"client{context.node_config['partition-id']}"]
+        models = client.initial_models(msg, model_fn)
+        for m, model in enumerate(models):
+            sgd(model, x, y, epochs=epochs, seed=m)
+        return answer(msg, models, x, y)
+
+    return app

@@ -10,12 +10,10 @@ import re
 from pathlib import Path
 
 import torch
-from conftest import label_skewed_fmnist, sgd
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
+from conftest import label_skewed_fmnist, sgd_client_app
 from torch import nn
 
-from fedfusion import LocalGrid, client
+from fedfusion import LocalGrid
 from fedfusion.app.config import Settings
 from fedfusion.strategies import FedAvg, FedBEns, FusionResult
 from fedfusion.wire import decode_models
@@ -182,16 +180,7 @@ class Net(nn.Module):
 
 def test_start_returns_a_result_flower_code_can_use():
     data = label_skewed_fmnist(150, 60, 100)
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        x, y = data[f"client{context.node_config['partition-id']}"]
-        models = client.initial_models(msg, Net)
-        for m, model in enumerate(models):
-            sgd(model, x, y, epochs=1, seed=m)
-        return client.reply(msg, models, x, y)
-
+    app = sgd_client_app(Net, data)
     result = FedAvg(Net, num_clients=3).start(LocalGrid(app, num_nodes=3))
     assert isinstance(result, FusionResult)
     model = Net()

@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import label_skewed_fmnist, sgd
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
+from conftest import label_skewed_fmnist, sgd, sgd_client_app
+from flwr.app import Message
 from torch import nn
 
 from fedfusion import LocalGrid, client
@@ -88,27 +87,18 @@ def test_make_upload_leaves_the_process_alone(data, model_fn):
         assert all(s in upload.members[0] for s in sections)
 
 
-def _client_app(data: dict) -> ClientApp:
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        x, y = data[f"client{context.node_config['partition-id']}"]
-        models = client.initial_models(msg, BNNet)
-        for m, model in enumerate(models):
-            sgd(model, x, y, epochs=1, seed=m)
-        before = process_state()
-        reply = client.reply(msg, models, x, y)
-        assert_unchanged(before, "client.reply")
-        return reply
-
-    return app
+def checked_reply(msg: Message, models: list[nn.Module], x: torch.Tensor, y: torch.Tensor
+                  ) -> Message:
+    before = process_state()
+    reply = client.reply(msg, models, x, y)
+    assert_unchanged(before, "client.reply")
+    return reply
 
 
 def test_start_and_fuse_uploads_leave_the_process_alone(data):
     """strategy.start (initial models, a round on a LocalGrid, fusion with recalibrated
     BatchNorm statistics) and fuse_uploads of every kind of fusion."""
-    grid = LocalGrid(_client_app(data), num_nodes=3)
+    grid = LocalGrid(sgd_client_app(BNNet, data, reply=checked_reply), num_nodes=3)
     before = process_state()
     fedbens = FedBEns(BNNet, num_clients=3, num_members=2, val=data["val"], steps=10,
                       eval_every=5, extra_sections=["gram", "curvature.diag"])
