@@ -16,7 +16,9 @@ these failures): an entry field of the wrong type, a file path outside the folde
 ``..``, or a symlink that leads out), a missing, truncated or foreign npz, an npz that does
 not match its entry (members), more than ``max_upload_bytes`` declared in the zip headers
 (refused before anything is inflated), an array whose ``.npy`` header does not match its
-size. Only a problem of the whole folder raises :class:`UploadStoreError`.
+size. Only a problem of the whole folder raises :class:`UploadStoreError`, among them
+clients that together declare more than :data:`MAX_REPLAY_BYTES` uncompressed (every client's
+zip and ``.npy`` headers are checked, and summed, before any array is read).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from __future__ import annotations
 import json
 import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 
 from fedfusion.wire.format import MAX_MEMBERS, SCHEMA, SCHEMA_VERSION, ClientUpload
-from fedfusion.wire.npy import read_npy
+from fedfusion.wire.npy import npy_layout, read_npy
 from fedfusion.wire.validation import MAX_UPLOAD_BYTES, _brief, _describe
 
 MANIFEST = "manifest.json"
@@ -39,6 +42,11 @@ MAX_MANIFEST_BYTES = 64 * 1024**2
 MAX_CLIENTS = 100_000
 #: bytes an npz may hold beyond its arrays' declared sizes (zip and .npy headers)
 NPZ_OVERHEAD_BYTES = 16 * 1024**2
+#: cap on the uncompressed bytes ALL clients of a replay declare in their zip headers
+#: together (checked, with every ``.npy`` header, before any array is read): a replay holds
+#: every upload in memory at once, so its total is capped like one live client's upload
+#: (MAX_UPLOAD_BYTES); ``load_uploads(max_total_bytes=...)``
+MAX_REPLAY_BYTES = 2 * 1024**3
 #: a client entry's fields and their JSON types
 ENTRY_FIELDS: dict[str, type] = {
     "client_id": int, "file": str, "model": str, "model_kwargs": dict, "num_examples": int,
@@ -82,32 +90,58 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
 
 
 def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES, *,
-                 strict: bool = False
+                 strict: bool = False, max_total_bytes: int = MAX_REPLAY_BYTES
                  ) -> tuple[dict[str, Any], list[ClientUpload], list[Failure]]:
     """Return (run_config that produced them, the uploads that load, the failures).
 
     ``failures`` lists ``(client, reason)`` for every client left out (``client`` is its
     ``client_id``, or ``"entry <i>"`` when the entry has no usable id). A folder-level
     problem raises :class:`UploadStoreError`; so does any failure when ``strict`` (for
-    tools that must see every client)."""
+    tools that must see every client), and a total above ``max_total_bytes``: every
+    client's zip headers and ``.npy`` headers are checked, and the uncompressed bytes they
+    declare summed over all clients, before any array is read."""
     root = Path(directory)
     manifest = _read_manifest(root)
-    uploads: list[ClientUpload] = []
     failures: list[Failure] = []
+
+    def fail(index: int, entry: object, exc: Exception) -> None:
+        client, reason = _label(index, entry), _describe(exc)
+        if strict:
+            raise UploadStoreError(f"{root}: client {client}: {reason}") from exc
+        failures.append((client, reason))
+
+    plans: list[tuple[int, dict[str, Any], _Plan]] = []
     seen: set[int] = set()
     for index, entry in enumerate(manifest["clients"]):
-        try:
-            upload = _load_client(root, index, entry, max_upload_bytes)
-            if upload.client_id in seen:
-                raise ValueError(f"clients[{index}]: client_id {upload.client_id} appears twice")
-        except Exception as exc:  # whatever one client's files raise leaves that client out
-            client, reason = _label(index, entry), _describe(exc)
-            if strict:
-                raise UploadStoreError(f"{root}: client {client}: {reason}") from exc
-            failures.append((client, reason))
+        try:  # whatever one client's files raise leaves that client out
+            plan = _plan_client(root, index, entry, max_upload_bytes)
+            if entry["client_id"] in seen:
+                raise ValueError(f"clients[{index}]: client_id {entry['client_id']} appears "
+                                 "twice")
+        except Exception as exc:
+            fail(index, entry, exc)
             continue
-        seen.add(upload.client_id)
-        uploads.append(upload)
+        seen.add(entry["client_id"])
+        plans.append((index, entry, plan))
+    total = sum(plan.declared for _, _, plan in plans)
+    if total > max_total_bytes:
+        sizes = ", ".join(f"client {entry['client_id']}: {plan.declared}"
+                          for _, entry, plan in plans[:8]) + (", ..." if len(plans) > 8 else "")
+        raise UploadStoreError(f"{root}: its {len(plans)} clients declare {total} uncompressed "
+                               f"bytes together ({sizes}), above the cap on a replay "
+                               f"({max_total_bytes} bytes, MAX_REPLAY_BYTES / "
+                               "max_total_bytes); nothing was read")
+    uploads: list[ClientUpload] = []
+    for index, entry, plan in plans:
+        try:
+            members = _read_arrays(plan)
+        except Exception as exc:
+            fail(index, entry, exc)
+            continue
+        uploads.append(ClientUpload(
+            client_id=entry["client_id"], model=entry["model"],
+            model_kwargs=entry["model_kwargs"], num_examples=entry["num_examples"],
+            members=members, metrics=entry["metrics"]))
     return manifest["run_config"], uploads, failures
 
 
@@ -147,7 +181,18 @@ def _label(index: int, entry: object) -> str:
     return f"entry {index}"
 
 
-def _load_client(root: Path, index: int, entry: object, max_upload_bytes: int) -> ClientUpload:
+@dataclass
+class _Plan:
+    """One client's npz, checked from its headers: its arrays' zip entries and layouts."""
+
+    path: Path
+    file: str
+    num_members: int
+    arrays: list[tuple[zipfile.ZipInfo, int, str, str]]  # info, member, section, name
+    declared: int  # uncompressed bytes the zip headers declare
+
+
+def _plan_client(root: Path, index: int, entry: object, max_upload_bytes: int) -> _Plan:
     where = f"clients[{index}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(entry).__name__}")
@@ -164,11 +209,7 @@ def _load_client(root: Path, index: int, entry: object, max_upload_bytes: int) -
     if not 1 <= num_members <= MAX_MEMBERS:
         raise ValueError(f"{where}.num_members is {num_members}, expected 1..{MAX_MEMBERS}")
     path = _inside(root, entry["file"], where)
-    members = _read_npz(path, entry["file"], num_members, max_upload_bytes)
-    return ClientUpload(
-        client_id=entry["client_id"], model=entry["model"], model_kwargs=entry["model_kwargs"],
-        num_examples=entry["num_examples"], members=members, metrics=entry["metrics"],
-    )
+    return _check_npz(path, entry["file"], num_members, max_upload_bytes)
 
 
 def _inside(root: Path, file: str, where: str) -> Path:
@@ -186,15 +227,14 @@ def _inside(root: Path, file: str, where: str) -> Path:
     return path
 
 
-def _read_npz(path: Path, file: str, num_members: int, max_upload_bytes: int
-              ) -> list[dict[str, dict[str, np.ndarray]]]:
-    """The members of one client's npz; sizes checked from the file and the zip headers
-    before anything is inflated, and every array's ``.npy`` header before it is read."""
+def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -> _Plan:
+    """Check one client's npz from the file size, the zip headers and every array's ``.npy``
+    header, reading no array data."""
     size = path.stat().st_size
     if size > max_upload_bytes + NPZ_OVERHEAD_BYTES:
         raise ValueError(f"{file} is {size} bytes, above the cap on one client's upload "
                          f"({max_upload_bytes} bytes, max_upload_bytes)")
-    members: list[dict[str, dict[str, np.ndarray]]] = [{} for _ in range(num_members)]
+    arrays: list[tuple[zipfile.ZipInfo, int, str, str]] = []
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
         declared = sum(info.file_size for info in infos)
@@ -202,20 +242,34 @@ def _read_npz(path: Path, file: str, num_members: int, max_upload_bytes: int
             raise ValueError(f"{file} declares {declared} uncompressed bytes in its zip "
                              f"headers, above the cap on one client's upload "
                              f"({max_upload_bytes} bytes, max_upload_bytes); not inflated")
+        seen: set[tuple[int, str, str]] = set()
         for info in infos:
             m, section, name = _array_key(info.filename, file, num_members)
             if info.compress_type not in _ZIP_COMPRESSIONS:
                 raise ValueError(f"{file}: {_brief(info.filename)} uses zip compression "
                                  f"{info.compress_type}; np.savez writes stored or deflated")
-            if name in members[m].get(section, {}):
+            if (m, section, name) in seen:
                 raise ValueError(f"{file}: array {_brief(info.filename)} appears twice")
+            seen.add((m, section, name))
             with archive.open(info) as stream:
-                array = read_npy(stream, info.file_size, f"{file}:{info.filename}")
-            members[m].setdefault(section, {})[name] = array
-    empty = [m for m, member in enumerate(members) if not member]
+                npy_layout(stream, info.file_size, f"{file}:{info.filename}")
+            arrays.append((info, m, section, name))
+    empty = sorted(set(range(num_members)) - {m for _, m, _, _ in arrays})
     if empty:
         raise ValueError(f"the manifest says {num_members} member(s) but {file} holds no "
                          f"arrays for member(s) {_brief(empty)}")
+    return _Plan(path, file, num_members, arrays, declared)
+
+
+def _read_arrays(plan: _Plan) -> list[dict[str, dict[str, np.ndarray]]]:
+    """The members of a checked npz (each array's header is checked again as it is read:
+    the file may have changed)."""
+    members: list[dict[str, dict[str, np.ndarray]]] = [{} for _ in range(plan.num_members)]
+    with zipfile.ZipFile(plan.path) as archive:
+        for info, m, section, name in plan.arrays:
+            with archive.open(info) as stream:
+                array = read_npy(stream, info.file_size, f"{plan.file}:{info.filename}")
+            members[m].setdefault(section, {})[name] = array
     return members
 
 

@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from fedfusion import upload_store
 from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf
 from fedfusion.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
@@ -231,4 +233,63 @@ def test_hostile_partition_files_are_refused_in_bounded_memory(tmp_path):
     out, peak = run_python(code, str(tmp_path))
     times = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()}
     assert len(times) == 3 and max(times.values()) < 5, times
+    assert peak < 1024, f"peak RSS {peak:.0f} MB"
+
+
+# ------------------------------------------------------------------ item 8: replay totals
+
+def _kron_folder(folder: Path, clients: int = 3) -> Path:
+    from test_hostile_uploads import kron_upload
+
+    return save_uploads(folder, [kron_upload(c, weight=0.5, eigenvalue=1.0, seed=c)
+                                 for c in range(clients)], {"strategy": "fedbens"})
+
+
+def _declared(folder: Path) -> list[int]:
+    return [sum(i.file_size for i in zipfile.ZipFile(p).infolist())
+            for p in sorted(folder.glob("client_*.npz"))]
+
+
+def test_load_uploads_caps_the_total_of_all_clients(tmp_path):
+    folder = _kron_folder(tmp_path / "uploads")
+    sizes = _declared(folder)
+    _, uploads, failures = load_uploads(folder, max_total_bytes=sum(sizes))
+    assert len(uploads) == 3 and not failures
+    with pytest.raises(UploadStoreError) as info:
+        load_uploads(folder, max_total_bytes=sum(sizes) - 1)
+    text = str(info.value)
+    assert str(folder) in text and f"its 3 clients declare {sum(sizes)} uncompressed bytes" in text
+    assert f"client 0: {sizes[0]}, client 1: {sizes[1]}" in text
+    assert f"above the cap on a replay ({sum(sizes) - 1} bytes, MAX_REPLAY_BYTES" in text
+    assert upload_store.MAX_REPLAY_BYTES == 2 * 1024**3
+
+
+def _claim_array(path: Path, elements: int) -> None:
+    """Rewrite a client's npz as one float32 array whose .npy and zip headers both declare
+    ``elements`` values, holding none of them (what a deflated run of zeros costs on disk)."""
+    header = npy_header((elements,), "<f4")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("m0/weights/net.1.weight.npy", header)
+    claim_uncompressed_size(path, len(header) + 4 * elements)
+
+
+def test_declared_sizes_are_checked_before_any_array_is_read(tmp_path):
+    """Three clients of 1.27 GB each (3.8 GB in all, under the per-client cap): refused from
+    their headers, in bounded memory and time."""
+    folder = _kron_folder(tmp_path / "uploads")
+    for path in folder.glob("client_*.npz"):
+        _claim_array(path, 317_000_000)
+    assert sum(_declared(folder)) > 3.8e9
+    code = """
+        import sys, time
+        from fedfusion.upload_store import UploadStoreError, load_uploads
+        start = time.perf_counter()
+        try:
+            load_uploads(sys.argv[1])
+        except UploadStoreError as exc:
+            print(time.perf_counter() - start, exc)
+    """
+    out, peak = run_python(code, str(folder))
+    assert "its 3 clients declare 3804000" in out and "nothing was read" in out, out
+    assert float(out.split()[0]) < 2
     assert peak < 1024, f"peak RSS {peak:.0f} MB"

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
 
+from fedfusion import upload_store
 from fedfusion.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
@@ -339,11 +340,14 @@ def test_mutated_upload_folders_load_or_raise_the_documented_error(data):
         (Path(tmp) / "outside.npz").write_bytes((folder / "client_1.npz").read_bytes())
         for _ in range(data.draw(st.integers(1, 3))):
             mutate_folder(data.draw, folder)
+        cap = data.draw(st.sampled_from([upload_store.MAX_REPLAY_BYTES, 20_000, 0]))
         try:
-            run_config, uploads, failures = load_uploads(folder)
+            run_config, uploads, failures = load_uploads(folder, max_total_bytes=cap)
         except UploadStoreError:
             return
         assert isinstance(run_config, dict)
+        assert sum(a.nbytes for u in uploads for m in u.members for arrays in m.values()
+                   for a in arrays.values()) <= cap  # the total cap holds
         assert all(isinstance(c, str) and isinstance(r, str) and r for c, r in failures)
         for upload in uploads:
             try:
