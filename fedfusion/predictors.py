@@ -99,9 +99,13 @@ PREDICTOR_KINDS: dict[str, type] = {Ensemble.kind: Ensemble,
 
 
 def save_predictor(predictor: nn.Module, path: str | Path) -> Path:
-    """Save any registered predictor (plain tensors and lists; no code is pickled)."""
+    """Save any registered predictor (plain tensors and lists; no code is pickled). A symlink
+    at ``path`` is refused (``OSError``), not followed."""
+    from fedfusion.upload_store import open_no_follow  # not at import: it pulls in flwr
+
     path = Path(path)
-    torch.save(predictor.to_payload(), path)  # type: ignore[operator]
+    with open_no_follow(path) as handle:
+        torch.save(predictor.to_payload(), handle)  # type: ignore[operator]
     return path
 
 

@@ -11,9 +11,11 @@ Outputs of a run, in ``<output-dir>/<run-name>/``:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import time
 import traceback
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.predictors import save_predictor
-from fedfusion.upload_store import load_uploads, save_uploads
+from fedfusion.upload_store import load_uploads, make_folder, open_no_follow, save_uploads
 from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
@@ -49,15 +51,25 @@ PARTITION_KEYS = ("partition-file", "partition-key")
 app = ServerApp()
 
 
+#: what a run writes into its folder (none of them may be a symlink there)
+OUTPUTS = ("results.json", "predictor.pt", "uploads")
+
+
 def output_folder(settings: Settings) -> Path:
+    """``<output-dir>/<run-name>``, created, or an existing real folder; refused (OSError)
+    when it, or any of :data:`OUTPUTS` in it, is a symlink."""
     root = Path(settings.output_dir).expanduser() if settings.output_dir else (
         Path.home() / "fedfusion-outputs")
     name = settings.run_name or (
         f"{time.strftime('%Y%m%d-%H%M%S')}-{settings.strategy}-{settings.dataset}"
         f"-{settings.partitioner}{settings.alpha:g}-s{settings.seed}"
         + ("-replay" if settings.replay else ""))
-    folder = root.resolve() / name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = make_folder(root.resolve() / name)  # a symlink in its place is refused
+    for output in OUTPUTS:  # refused now rather than after the run: nothing follows a link
+        if (folder / output).is_symlink():
+            raise OSError(errno.ELOOP, f"refusing to write {folder / output}: it is a symlink "
+                          f"(to {os.readlink(folder / output)!r}); remove it, or choose "
+                          "another output-dir or run-name")
     return folder
 
 
@@ -129,8 +141,8 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
         raise
     finally:
         results.setdefault("timing", {})["wall_s"] = time.perf_counter() - wall_start
-        (folder / "results.json").write_text(
-            json.dumps(strict_json(results), indent=1, allow_nan=False))
+        with open_no_follow(folder / "results.json") as handle:
+            handle.write(json.dumps(strict_json(results), indent=1, allow_nan=False).encode())
         print_summary(results)
     return results
 

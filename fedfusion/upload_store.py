@@ -23,12 +23,15 @@ zip and ``.npy`` headers are checked, and summed, before any array is read).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -56,6 +59,8 @@ ENTRY_FIELDS: dict[str, type] = {
 #: a whole read at once, unbounded
 _ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
 #: (client, reason) of a client left out of a replay
 Failure = tuple[str, str]
 
@@ -65,19 +70,56 @@ class UploadStoreError(ValueError):
     or, with ``strict=True``, any bad client)."""
 
 
+def make_folder(directory: str | Path) -> Path:
+    """Create ``directory`` (and its parents), or accept it when it is already a real
+    directory; refuse it (``OSError``) when it is a symlink or not a directory, so that what
+    is written into it cannot land in a folder it points at."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir()
+    except FileExistsError:
+        pass
+    mode = directory.lstat().st_mode
+    if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+        raise OSError(errno.EEXIST, f"refusing to write into {directory}: it exists as a "
+                      f"{'symlink' if stat.S_ISLNK(mode) else 'non-directory'}, not a folder "
+                      "(remove it, or choose another output-dir or run-name)")
+    return directory
+
+
+def open_no_follow(path: str | Path) -> BinaryIO:
+    """Open ``path`` for writing (created or truncated) WITHOUT following a symlink: a
+    symlink at ``path`` raises ``OSError`` instead of overwriting the file it points at."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise OSError(errno.ELOOP, f"refusing to write {path}: it is a symlink (to "
+                          f"{os.readlink(path)!r}); remove it first") from exc
+        raise
+    if not _O_NOFOLLOW and path.is_symlink():  # no O_NOFOLLOW here (Windows): check after
+        os.close(fd)
+        raise OSError(errno.ELOOP, f"refusing to write {path}: it is a symlink")
+    return os.fdopen(fd, "wb")
+
+
 def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
                  run_config: dict[str, Any]) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``uploads`` to ``directory`` (created, or an existing real folder; a symlink in
+    its place, or at any file written, is refused with ``OSError``)."""
+    directory = make_folder(directory)
     clients = []
     for upload in uploads:
         file = f"client_{upload.client_id}.npz"
-        np.savez(directory / file, **{
-            f"m{m}/{section}/{name}": array
-            for m, member in enumerate(upload.members)
-            for section, arrays in member.items()
-            for name, array in arrays.items()
-        })
+        with open_no_follow(directory / file) as handle:
+            np.savez(handle, **{
+                f"m{m}/{section}/{name}": array
+                for m, member in enumerate(upload.members)
+                for section, arrays in member.items()
+                for name, array in arrays.items()
+            })
         clients.append({
             "client_id": upload.client_id, "file": file, "model": upload.model,
             "model_kwargs": upload.model_kwargs, "num_examples": upload.num_examples,
@@ -85,7 +127,8 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
         })
     manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                 "run_config": run_config, "clients": clients}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    with open_no_follow(directory / MANIFEST) as handle:
+        handle.write(json.dumps(manifest, indent=1).encode())
     return directory
 
 

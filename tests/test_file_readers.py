@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from fedfusion import upload_store
+from fedfusion.app.config import Settings
 from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf
 from fedfusion.predictors import Ensemble, load_predictor, save_predictor
-from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
+from fedfusion.server_app import output_folder
+from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
@@ -293,3 +295,71 @@ def test_declared_sizes_are_checked_before_any_array_is_read(tmp_path):
     assert "its 3 clients declare 3804000" in out and "nothing was read" in out, out
     assert float(out.split()[0]) < 2
     assert peak < 1024, f"peak RSS {peak:.0f} MB"
+
+
+# ------------------------------------------------------------------ item 7: output folders
+
+def _outside(tmp_path: Path) -> Path:
+    """A folder outside the run with a file in it: what a symlink would send writes to."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "precious.txt").write_text("keep me")
+    return target
+
+
+def _untouched(target: Path) -> bool:
+    return sorted(p.name for p in target.iterdir()) == ["precious.txt"] and (
+        target / "precious.txt").read_text() == "keep me"
+
+
+def _settings(tmp_path: Path) -> Settings:
+    return Settings(output_dir=str(tmp_path / "out"), run_name="run")
+
+
+OUTPUT_LINKS = {  # what the link is, where it points, the text of the refusal
+    "run folder": ("out/run", "elsewhere", "exists as a symlink, not a folder"),
+    "uploads": ("out/run/uploads", "elsewhere", "it is a symlink"),
+    "results.json": ("out/run/results.json", "elsewhere/precious.txt", "it is a symlink"),
+    "predictor.pt": ("out/run/predictor.pt", "elsewhere/precious.txt", "it is a symlink"),
+    "dangling results.json": ("out/run/results.json", "elsewhere/new.json", "it is a symlink"),
+}
+
+
+@pytest.mark.parametrize("case", OUTPUT_LINKS)
+def test_output_folder_refuses_links_to_anywhere(tmp_path, case):
+    link, to, message = OUTPUT_LINKS[case]
+    target = _outside(tmp_path)
+    (tmp_path / link).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / link).symlink_to(tmp_path / to)
+    with pytest.raises(OSError, match=message):
+        output_folder(_settings(tmp_path))
+    assert _untouched(target)
+
+
+def test_writers_do_not_follow_links(tmp_path):
+    from test_hostile_uploads import kron_upload
+
+    target = _outside(tmp_path)
+    upload = kron_upload(0, weight=0.5, eigenvalue=1.0)
+    (tmp_path / "uploads").symlink_to(target)
+    with pytest.raises(OSError, match="uploads: it exists as a symlink, not a folder"):
+        save_uploads(tmp_path / "uploads", [upload], {})
+    real = tmp_path / "real"
+    real.mkdir()
+    for name in ("client_0.npz", "manifest.json"):  # a link at any file it writes
+        (real / name).symlink_to(target / "precious.txt")
+        with pytest.raises(OSError, match=f"refusing to write {real / name}: it is a symlink"):
+            save_uploads(real, [upload], {})
+        (real / name).unlink()
+    (tmp_path / "p.pt").symlink_to(target / "precious.txt")
+    with pytest.raises(OSError, match="it is a symlink"):
+        save_predictor(Ensemble([SMALL.build()], [SMALL]), tmp_path / "p.pt")
+    with pytest.raises(OSError, match="it is a symlink"):
+        open_no_follow(tmp_path / "p.pt")
+    assert _untouched(target)
+    # real folders and files, existing or not, are written (and files overwritten)
+    (real / "manifest.json").write_text("old")
+    assert load_uploads(save_uploads(real, [upload], {}))[1][0].client_id == 0
+    folder = output_folder(_settings(tmp_path))
+    assert folder == (tmp_path / "out" / "run").resolve() and output_folder(
+        _settings(tmp_path)) == folder

@@ -34,8 +34,10 @@ from hypothesis import strategies as st
 from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
 
 from fedfusion import upload_store
-from fedfusion.predictors import load_predictor
-from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
+from fedfusion.app.config import Settings
+from fedfusion.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.server_app import output_folder
+from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (
     META_KEY,
     METRICS_KEY,
@@ -415,3 +417,48 @@ def test_predictor_files_with_any_strides_load_or_raise_value_error(data):
     built = sum(p.numel() * p.element_size() for p in predictor.state_dict().values())
     assert built <= held  # what loading materialised, the file held
     predictor(torch.zeros(2, *spec.input_shape))
+
+
+# ------------------------------------------------------------------ output folders
+
+OUTPUT_ENTRIES = ["out/run", "out/run/uploads", "out/run/results.json", "out/run/predictor.pt",
+                  "out/run/uploads/manifest.json", "out/run/uploads/client_0.npz"]
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.data())
+def test_output_folders_with_links_anywhere_are_written_or_refused(data):
+    """Any of a run's outputs pre-existing as a real file, a real folder, a link to a file or
+    folder outside, or a dangling link: the run writes its outputs or raises OSError, and
+    nothing outside the run folder changes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        outside = root / "outside"
+        outside.mkdir()
+        (outside / "f").write_text("keep")
+        for entry in OUTPUT_ENTRIES:
+            kind = data.draw(st.sampled_from(["absent", "file", "folder", "link to file",
+                                              "link to folder", "dangling link"]), label=entry)
+            path = root / entry
+            if kind == "absent" or not path.parent.is_dir() or path.parent.is_symlink():
+                continue
+            if kind == "file":
+                path.write_text("old")
+            elif kind == "folder":
+                path.mkdir()
+            else:
+                path.symlink_to({"link to file": outside / "f", "link to folder": outside,
+                                 "dangling link": outside / "new"}[kind])
+        try:
+            folder = output_folder(Settings(output_dir=str(root / "out"), run_name="run"))
+            save_uploads(folder / "uploads", [honest()], {})
+            save_predictor(Ensemble([TINY.build()], [TINY]), folder / "predictor.pt")
+            with open_no_follow(folder / "results.json") as handle:
+                handle.write(b"{}")
+        except OSError:
+            pass
+        else:
+            assert load_uploads(folder / "uploads")[1][0].client_id == 0
+            assert (folder / "results.json").read_text() == "{}"
+        assert sorted(p.name for p in outside.iterdir()) == ["f"]
+        assert (outside / "f").read_text() == "keep"
