@@ -104,6 +104,14 @@ def test_starting_point_is_the_per_parameter_median():
     for name, value in start.items():
         stacked = np.stack([u.weights(0)[name] for u in uploads])
         np.testing.assert_array_equal(value, np.sort(stacked, axis=0)[1])
+    # starts="mean": the sample-weighted average instead, by hand
+    (mean,) = FedBEns(TINY, num_clients=3, starts="mean").starting_points(uploads)
+    sizes = np.array([u.num_examples for u in uploads], dtype=np.float64)
+    for name, value in mean.items():
+        stacked = np.stack([u.weights(0)[name] for u in uploads]).astype(np.float64)
+        expected = np.tensordot(sizes / sizes.sum(), stacked, axes=1)
+        np.testing.assert_allclose(value, expected, rtol=1e-6)
+        assert not np.array_equal(value, start[name])  # not the median
 
 
 def test_member_starts_climb_from_every_member_to_a_mode_each():
@@ -136,7 +144,7 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     for name, value in start.items():
         np.testing.assert_array_equal(value, np.median([u.weights(0)[name] for u in uploads], 0))
     assert len(one.fuse(uploads).members) == 1
-    with pytest.raises(ValueError, match="starts must be 'median' or 'members'"):
+    with pytest.raises(ValueError, match="starts must be 'median', 'mean' or 'members'"):
         FedBEns(TINY, num_clients=3, starts="random")
 
 
