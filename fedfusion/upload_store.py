@@ -84,7 +84,7 @@ def make_folder(directory: str | Path) -> Path:
     if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
         raise OSError(errno.EEXIST, f"refusing to write into {directory}: it exists as a "
                       f"{'symlink' if stat.S_ISLNK(mode) else 'non-directory'}, not a folder "
-                      "(remove it, or choose another output-dir or run-name)")
+                      "(remove it, or write to another folder)")
     return directory
 
 

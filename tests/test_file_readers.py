@@ -5,7 +5,6 @@ symlinks in them (item 7) and replays whose clients add up (item 8)."""
 from __future__ import annotations
 
 import io
-import resource
 import subprocess
 import sys
 import textwrap
@@ -30,14 +29,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
 
+#: a hostile file costs at most this long here; honest-but-slow would be minutes (or never end),
+#: and a loaded CI machine must not make a bound meant for that flaky
+BOUND_S = 30.0
+
+
 def run_python(code: str, *args: str) -> tuple[str, float]:
-    """Run ``code`` in a fresh interpreter; return its stdout and its peak RSS in MB."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
+    """Run ``code`` in a fresh interpreter; return its stdout and ITS OWN peak RSS in MB (the
+    child reports it: RUSAGE_CHILDREN would be the largest of every child this test process
+    ever had, Ray and ``flwr run`` included)."""
+    probe = "\nimport resource as _r\nprint('PEAK-KB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss)\n"
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + probe, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return done.stdout, peak
+    lines = done.stdout.splitlines()
+    peak = float(lines[-1].split()[1]) / 1024
+    return "\n".join(lines[:-1]) + ("\n" if lines[:-1] else ""), peak
 
 
 # ------------------------------------------------------------------ item 5: predictor.pt
@@ -121,8 +129,8 @@ def test_an_expanded_predictor_of_16_gb_is_refused_in_bounded_memory(tmp_path):
     out, peak = run_python(code, str(tmp_path / "big.pt"))
     assert out.startswith("refused") and "over 4 bytes of storage" in out
     assert (tmp_path / "big.pt").stat().st_size < 4096
-    assert float(out.split()[1]) < 5
-    assert peak < 1024, f"peak RSS {peak:.0f} MB"
+    assert float(out.split()[1]) < BOUND_S
+    assert peak < 2048, f"peak RSS {peak:.0f} MB"  # torch alone ~0.7 GB; the claims: GB-TB
 
 
 # ------------------------------------------------------------------ item 6: partition files
@@ -198,7 +206,7 @@ def test_partition_file_defects_are_partition_errors_naming_the_file(tmp_path, c
     with pytest.raises(PartitionError) as info:
         pf.read_partition_file(path, num_rows=10, num_clients=2, key="k" if "key" in case
                                else "")
-    assert time.perf_counter() - start < 3
+    assert time.perf_counter() - start < BOUND_S
     assert f"partition file {str(path)!r}" in str(info.value)
     assert message in str(info.value)
 
@@ -234,8 +242,8 @@ def test_hostile_partition_files_are_refused_in_bounded_memory(tmp_path):
     """
     out, peak = run_python(code, str(tmp_path))
     times = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()}
-    assert len(times) == 3 and max(times.values()) < 5, times
-    assert peak < 1024, f"peak RSS {peak:.0f} MB"
+    assert len(times) == 3 and max(times.values()) < BOUND_S, times
+    assert peak < 2048, f"peak RSS {peak:.0f} MB"  # torch alone ~0.7 GB; the claims: GB-TB
 
 
 # ------------------------------------------------------------------ item 8: replay totals
@@ -293,8 +301,8 @@ def test_declared_sizes_are_checked_before_any_array_is_read(tmp_path):
     """
     out, peak = run_python(code, str(folder))
     assert "its 3 clients declare 3804000" in out and "nothing was read" in out, out
-    assert float(out.split()[0]) < 2
-    assert peak < 1024, f"peak RSS {peak:.0f} MB"
+    assert float(out.split()[0]) < BOUND_S
+    assert peak < 2048, f"peak RSS {peak:.0f} MB"  # torch alone ~0.7 GB; the claims: GB-TB
 
 
 # ------------------------------------------------------------------ item 7: output folders
