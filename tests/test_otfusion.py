@@ -552,7 +552,7 @@ def test_activation_mode_without_validation_falls_back_to_weights():
     strategy = OTFusion(spec, num_clients=2, mode="activations")
     strategy.fuse([upload(spec, 0, random_state(spec, 1)), upload(spec, 1, random_state(spec, 2))])
     assert strategy.report()["mode"] == "weights"
-    with pytest.raises(ValueError, match="otfusion-mode"):
+    with pytest.raises(ValueError, match="mode must be one of"):
         OTFusion(spec, num_clients=2, mode="neurons")
 
 

@@ -141,7 +141,7 @@ def test_validate_grams_names_the_bad_array():
 def test_parse_alphas():
     assert parse_alphas("0.1, 0.5,0.9") == [0.1, 0.5, 0.9]
     for text in ("", "a,b", "1.5", "-0.1"):
-        with pytest.raises(ValueError, match="regmean-alpha"):
+        with pytest.raises(ValueError, match="alphas"):
             parse_alphas(text)
 
 
