@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import label_skewed_fmnist, sgd
+from conftest import label_skewed_fmnist, sgd, sgd_client_app
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
@@ -53,20 +53,15 @@ def fmnist() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def user_client_app(data: dict, seen: list | None = None) -> ClientApp:
-    """A user's ClientApp: own data and loop, fedfusion only in and out."""
-    app = ClientApp()
+    """A user's ClientApp: own data and loop, fedfusion only in and out (``seen`` records the
+    sections each train message asks for)."""
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        x, y = data[f"client{context.node_config['partition-id']}"]
-        models = client.initial_models(msg, UserNet)
-        for m, model in enumerate(models):
-            sgd(model, x, y, seed=m)
+    def reply(msg: Message, models: list, x: torch.Tensor, y: torch.Tensor) -> Message:
         if seen is not None:
             seen.append(client.requested_sections(msg))
         return client.reply(msg, models, x, y)
 
-    return app
+    return sgd_client_app(UserNet, data, epochs=3, reply=reply)
 
 
 def test_fedbens_regmean_and_ams_fuse_a_users_model_through_its_own_client_app(fmnist):
