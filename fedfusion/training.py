@@ -116,9 +116,12 @@ def train_members(
     if len(terms) != len(models):
         raise ValueError(f"train_members got {len(models)} models and {len(terms)} "
                          "lists of loss terms")
-    if not requested(accelerate):
+    def one_by_one() -> list[TrainStats]:
         return [train_local(model, x, y, config, seed, member_terms)
                 for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
+
+    if not requested(accelerate):
+        return one_by_one()
     from fedfusion.accel.stacked import compile_members, train_stacked
 
     for model in models:
@@ -127,8 +130,7 @@ def train_members(
     chunks = [slice(begin, begin + size) for begin in range(0, len(models), size)]
     nets = [compile_members(models[chunk], x, terms[chunk]) for chunk in chunks]
     if not nets or any(net is None for net in nets):
-        return [train_local(model, x, y, config, seed, member_terms)
-                for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
+        return one_by_one()
     stats: list[TrainStats] = []
     for net, chunk in zip(nets, chunks, strict=True):
         assert net is not None
