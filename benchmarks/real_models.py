@@ -126,7 +126,7 @@ QUICK = {"subset": {"bn_cnn": 1_500, "resnet_bn": 600, "resnet_nobn": 600, "ln_m
 #: method -> (run-config changes of the replay, upload sections it needs, members per client
 #: it uses (0 = all M), True where only the models with BatchNorm run it)
 METHODS: dict[str, tuple[dict[str, object], tuple[str, ...], int, bool]] = {
-    # live: FedBEns, norm-stats auto
+    # live: FedBEns, norm-stats auto, the paper's median starts (the default without BatchNorm)
     "fedbens": ({}, ("curvature.kron",), 0, False),
     "fedbens_avgstats": ({"strategy": "fedbens", "norm_stats": "average"},
                          ("curvature.kron",), 0, True),
@@ -146,9 +146,9 @@ METHODS: dict[str, tuple[dict[str, object], tuple[str, ...], int, bool]] = {
     "pfnm": ({"strategy": "pfnm"}, (), 1, False),
 }
 LABELS = {
-    "fedbens": "FedBEns (Kron, M = 3; norm-stats auto)",
+    "fedbens": "FedBEns (Kron, M = 3; norm-stats auto), starts median (default without BN)",
     "fedbens_avgstats": "FedBEns, norm-stats average",
-    "fedbens_mean": "FedBEns, starts mean (per-member averages)",
+    "fedbens_mean": "FedBEns, starts mean (per-member averages; the default with BN)",
     "ensemble": "uniform ensemble (C x M members)",
     "ams": "AMS-top1 (member 0 of each client)",
     "fedavg": "FedAvg (norm-stats auto)",
@@ -197,7 +197,7 @@ def live_config(model: str, alpha: float, seed: int, args: argparse.Namespace) -
         "model_kwargs": json.dumps(spec["kwargs"]) if spec["kwargs"] else "",
         "train_subset": subset, "local_epochs": epochs, "batch_size": spec["batch"],
         "hessian_structure": "kron", "extra_sections": "curvature.diag,gram",
-        **server_keys(args)})
+        "fedbens_starts": "median", **server_keys(args)})
 
 
 def server_keys(args: argparse.Namespace) -> dict[str, object]:
@@ -487,15 +487,16 @@ def tables(rows: list[dict], members: int) -> str:
 
 
 def target_line(mrows: list[dict]) -> str:
-    """Issue 24's target at alpha 0.1: FedBEns >= FedAvg + 5 points and >= every one-model
-    baseline (means over seeds)."""
+    """Issue 24's target at alpha 0.1 for a model with BatchNorm: FedBEns with its default
+    starts there (the means) >= FedAvg + 5 points and >= every one-model baseline (means over
+    seeds)."""
     def mean(method: str) -> float:
         v = [r["methods"][method]["accuracy"] for r in mrows
              if r["alpha"] == 0.1 and method in r["methods"]
              and r["methods"][method]["status"] == "ok"]
         return 100 * statistics.mean(v) if v else math.nan
 
-    fedbens, fedavg = mean("fedbens"), mean("fedavg")
+    fedbens, fedavg = mean("fedbens_mean"), mean("fedavg")
     misses = []
     if not fedbens >= fedavg + 5:
         misses.append(f"FedBEns {fedbens:.2f} < FedAvg {fedavg:.2f} + 5")
@@ -504,7 +505,8 @@ def target_line(mrows: list[dict]) -> str:
         if not math.isnan(value) and value > fedbens:
             misses.append(f"{LABELS[method]} {value:.2f} > FedBEns {fedbens:.2f}")
     verdict = "met" if not misses else "NOT met: " + "; ".join(misses)
-    return (f"Target at alpha 0.1 (FedBEns >= FedAvg + 5 and >= every one-model baseline): "
+    return (f"Target at alpha 0.1 (FedBEns with its default starts for BatchNorm, the means, "
+            f">= FedAvg + 5 and >= every one-model baseline): "
             f"{verdict} (FedBEns - FedAvg = {fedbens - fedavg:+.2f} points).")
 
 

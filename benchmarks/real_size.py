@@ -6,14 +6,19 @@ BatchNorm ones) on Fashion-MNIST: C = 5 clients (Dirichlet alpha = 0.4, seed 0) 
 ``--rows`` training rows each, M = 3 members, ``--epochs`` of SGD, 500 server validation rows.
 Every member is fitted once (full Kron factors); the upload is then measured for each
 ``curvature_rank`` r of ``--ranks`` (0 = every eigenpair; r = the top r per factor) and the
-FedBEns server is run on each, in a fresh process so that its peak memory (``ru_maxrss``) is
-the server's alone. Targets: upload per member at most 4x the weights, server peak at most
-4 GB. Accuracy here is of a short training (the point is the cost), with FedAvg and the
-uniform ensemble of the same uploads beside it.
+FedBEns server is run on each, in a fresh process whose peak memory is read from its own
+``VmHWM`` (not ``ru_maxrss``: Linux carries that across ``exec``, so a spawned child reports
+the larger of its own peak and its parent's, here the clients' Kron fits). Targets: upload
+per member at most 4x the weights, server peak at most 4 GB. Accuracy here is of a short
+training (the point is the cost), with FedAvg and the uniform ensemble of the same uploads
+beside it.
 
     .venv/bin/python benchmarks/real_size.py --rows 200 --epochs 1 --server-ranks 64 \
         --server-steps 20
     .venv/bin/python benchmarks/real_size.py            # servers at ranks 128 and 64
+
+``--cache DIR`` keeps the full-rank uploads (about 30 min of client work on 2 cores) and
+reuses them on the next run with the same ``--rows``/``--epochs``.
 
 Prints a table and writes benchmarks/results/real_size.json.
 """
@@ -23,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import resource
 import sys
 import tempfile
 import time
@@ -72,9 +76,8 @@ def client_uploads(rows: int, epochs: int) -> tuple[list, dict]:
                                           model_kwargs=SPEC.kwargs))
         fit_s += time.perf_counter() - start
         print(f"client {c}: {len(y)} rows, trained and fitted", flush=True)
-    timing = {"train_s_per_member": train_s / (CLIENTS * MEMBERS),
-              "kron_fit_s_per_member": fit_s / (CLIENTS * MEMBERS)}
-    return uploads, {"bundle": bundle, **timing}
+    return uploads, {"train_s_per_member": train_s / (CLIENTS * MEMBERS),
+                     "kron_fit_s_per_member": fit_s / (CLIENTS * MEMBERS)}
 
 
 def truncate(uploads: list, rank: int) -> list:
@@ -86,6 +89,30 @@ def truncate(uploads: list, rank: int) -> list:
             assert isinstance(kron, KronCurvature)
             member["curvature.kron"] = kron.to_arrays(rank=rank or None)
     return uploads
+
+
+def own_peak_bytes() -> int:
+    """This process's peak resident set (Linux ``VmHWM``: its own address space only)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("VmHWM:"))) * 1024
+
+
+def cached_client_uploads(cache: str | None, rows: int, epochs: int) -> tuple[list, dict]:
+    """:func:`client_uploads`, read from ``cache`` when it holds uploads of the same
+    ``rows``/``epochs`` (written there otherwise)."""
+    info_file = Path(cache) / "timing.json" if cache else None
+    if info_file is not None and info_file.is_file():
+        info = json.loads(info_file.read_text())
+        if (info["rows"], info["epochs"]) == (rows, epochs):
+            _, uploads, _ = load_uploads(cache, strict=True)
+            print(f"reusing the uploads in {cache}", flush=True)
+            return uploads, info
+    uploads, info = client_uploads(rows, epochs)
+    if info_file is not None:
+        save_uploads(cache, uploads, {})
+        info_file.write_text(json.dumps({"rows": rows, "epochs": epochs, **info}))
+    return uploads, info
 
 
 def server(folder: str, steps: int, queue: multiprocessing.Queue) -> None:
@@ -100,7 +127,7 @@ def server(folder: str, steps: int, queue: multiprocessing.Queue) -> None:
     fedbens = FedBEns(SPEC, num_members=MEMBERS, val=val, steps=steps,
                       eval_every=max(1, min(30, steps // 2))).fuse_uploads(uploads)
     server_s = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = own_peak_bytes()
     row = {"server_s": server_s, "server_steps": steps, "server_peak_bytes": peak,
            "fedbens": evaluate(fedbens, test.x, test.y)}
     for name, cls in (("fedavg", FedAvg), ("ensemble", UniformEnsemble)):
@@ -120,11 +147,12 @@ def main() -> None:
     parser.add_argument("--server-steps", type=int, default=300,
                         help="FedBEns Adam steps per mode (fewer: the same peak memory, which "
                              "the mixture's factors set, in less time)")
+    parser.add_argument("--cache", help="a folder keeping the full-rank uploads between runs")
     args = parser.parse_args()
     torch.set_num_threads(2)
     params = sum(int(np.prod(s)) for s in SPEC.param_shapes().parameter_shapes().values())
     print(f"{SPEC.name} {SPEC.kwargs}: {params:,} parameters", flush=True)
-    uploads, info = client_uploads(args.rows, args.epochs)
+    uploads, info = cached_client_uploads(args.cache, args.rows, args.epochs)
     weight_bytes = np.mean([sum(a.nbytes for a in m["weights"].values())
                             for u in uploads for m in u.members])
     rows = []

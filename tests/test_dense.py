@@ -11,12 +11,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.datasets import ImageData, load_dataset
+from fedfusion.normalization import running_stat_layers
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.strategies.dense import (
     Dense,
     LogitEnsemble,
     SamplePool,
-    batchnorm_layers,
     input_stats_loss,
     kl_teacher_student,
 )
@@ -73,9 +73,10 @@ def bn_upload(seed: int, client_id: int = 0) -> ClientUpload:
 def bn_inputs(net: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
     """The input of every BatchNorm layer of ``net`` (eval mode) on ``x``, in float64."""
     seen: dict[str, np.ndarray] = {}
+    layers = running_stat_layers(net)
     handles = [layer.register_forward_pre_hook(
         lambda module, args, name=name: seen.__setitem__(name, args[0].double().numpy()))
-        for name, layer in batchnorm_layers(net)]
+        for name, layer in net.named_modules() if layer in layers]
     with torch.no_grad():
         net.eval()(x)
     for handle in handles:

@@ -48,7 +48,7 @@ def test_the_digits_app_fuses_with_fedfusion_from_a_pip_install(installed, tmp_p
 def test_the_digits_app_with_batchnorm_fuses_in_every_strategy(tmp_path, monkeypatch):
     """The same App with ``batch-norm = true`` (a BatchNorm after each convolution), its own
     ServerApp and ClientApp code run in this process on a LocalGrid: every strategy fuses
-    every client, and FedBEns from per-member averages (the App's choice for BatchNorm) beats
+    every client, and FedBEns from per-member averages (its default for BatchNorm) beats
     FedBEns from the paper's per-member medians on the same uploads."""
     import tomllib
 

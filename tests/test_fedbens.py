@@ -144,8 +144,32 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     for name, value in start.items():
         np.testing.assert_array_equal(value, np.median([u.weights(0)[name] for u in uploads], 0))
     assert len(one.fuse(uploads).members) == 1
-    with pytest.raises(ValueError, match="starts must be 'median', 'mean' or 'members'"):
+    with pytest.raises(ValueError, match="starts must be one of .*'median', 'mean', 'members'"):
         FedBEns(TINY, num_clients=3, starts="random")
+
+
+@pytest.mark.parametrize("name, kwargs, rule", [
+    ("bn_cnn", {"width": 4}, "mean"),  # BatchNorm running statistics: per-member averages
+    ("resnet20", {"blocks": 1}, "mean"),
+    ("resnet20", {"blocks": 1, "norm": "none"}, "median"),  # the paper's rule otherwise
+    ("ln_mlp", {"width": 8, "layers": 1}, "median"),  # LayerNorm keeps no statistics
+])
+def test_auto_starts_are_the_means_with_batchnorm_and_the_medians_without(name, kwargs, rule):
+    spec = ModelSpec(name, (1, 8, 8), 3, kwargs)
+    g = torch.Generator().manual_seed(0)
+    base = spec.build().state_dict()
+    uploads = [ClientUpload(c, name, kwargs, 10 + 40 * c, [{"weights": {
+        k: (v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v).numpy()
+        for k, v in base.items()}}]) for c in range(3)]
+    auto = FedBEns(spec, num_clients=3, starts="auto")
+    (start,) = auto.starting_points(uploads)
+    (expected,) = FedBEns(spec, num_clients=3, starts=rule).starting_points(uploads)
+    (other,) = FedBEns(spec, num_clients=3, starts={"mean": "median", "median": "mean"}[rule]
+                       ).starting_points(uploads)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(start[key], value)
+    assert any(not np.array_equal(start[k], other[k]) for k in start)  # the rules differ here
+    assert auto.report()["starts"] == rule
 
 
 def test_per_run_clip_matches_clip_grad_norm():

@@ -35,10 +35,16 @@ BOUND_S = 30.0
 
 
 def run_python(code: str, *args: str) -> tuple[str, float]:
-    """Run ``code`` in a fresh interpreter; return its stdout and ITS OWN peak RSS in MB (the
-    child reports it: RUSAGE_CHILDREN would be the largest of every child this test process
-    ever had, Ray and ``flwr run`` included)."""
-    probe = "\nimport resource as _r\nprint('PEAK-KB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss)\n"
+    """Run ``code`` in a fresh interpreter; return its stdout and ITS OWN peak RSS in MB.
+
+    The child reads ``VmHWM`` (the high-water mark of its own address space). Neither
+    ``RUSAGE_CHILDREN`` (the largest child this test process ever had, Ray included) nor the
+    child's ``RUSAGE_SELF`` will do: Linux carries ``ru_maxrss`` across ``exec``, and
+    ``subprocess`` may ``vfork``, so the child would report this pytest process's own peak.
+    """
+    probe = ("\nimport re as _re\n"
+             "print('PEAK-KB', _re.search(r'VmHWM:\\s*(\\d+)', "
+             "open('/proc/self/status').read()).group(1))\n")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + probe, *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})

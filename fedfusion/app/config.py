@@ -91,7 +91,7 @@ class Settings:
     norm_stats: str = "auto"
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
-    fedbens_starts: str = "median"
+    fedbens_starts: str = "auto"
     fedbens_modes: int = 0
     # FedBEns' baselines (issue 5)
     fedfisher_steps: int = 2000

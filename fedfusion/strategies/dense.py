@@ -126,6 +126,7 @@ from torch.nn import functional as F
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import classification_metrics
+from fedfusion.normalization import running_stat_layers
 from fedfusion.predictors import Ensemble
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
@@ -138,8 +139,6 @@ STATS_TERMS = ("auto", "bn", "input", "act", "none")
 DEFAULT_STATS_TERM = "auto"
 #: what "auto" means for teachers without BatchNorm statistics (measured: see the module doc)
 FALLBACK_STATS_TERM = "input"
-#: the layers whose running statistics the "bn" term matches
-BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 #: data range assumed per channel when there is no validation set to read it from
 FALLBACK_RANGE = (-2.0, 2.0)
 
@@ -179,14 +178,6 @@ class Generator(nn.Module):
         return self.low + (self.high - self.low) * (torch.tanh(out) + 1) / 2
 
 
-def batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every BatchNorm layer of ``model`` that holds running statistics
-    (:data:`BATCHNORMS` with ``track_running_stats``), in module order."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, BATCHNORMS) and m.running_mean is not None
-            and m.running_var is not None]
-
-
 def bn_stats_loss(h: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor
                   ) -> torch.Tensor:
     """DeepInversion's term at one BatchNorm layer: ``||mu(h) - running_mean||_2 +
@@ -220,7 +211,7 @@ class LogitEnsemble(nn.Module):
             if linears:
                 linears[-1].register_forward_hook(self._keep_input)
             if bn_stats:
-                for _, layer in batchnorm_layers(member):
+                for layer in running_stat_layers(member):
                     layer.register_forward_pre_hook(self._match_statistics)
 
     def _keep_input(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -386,7 +377,7 @@ adv_mask, eval_fraction
         """The term ``stats_term`` means for these teachers ("auto": "bn" when every one has
         BatchNorm statistics, else :data:`FALLBACK_STATS_TERM`); records the BatchNorm
         layers per teacher in :attr:`bn_layers`."""
-        self.bn_layers = [len(batchnorm_layers(m)) for m in members]
+        self.bn_layers = [len(running_stat_layers(m)) for m in members]
         has_bn = bool(members) and all(self.bn_layers)
         if self.stats_term == "auto":
             return "bn" if has_bn else FALLBACK_STATS_TERM

@@ -19,7 +19,8 @@ p(y|x) = 1/R sum_r softmax(f(x; w_r)).
 
 Departures from the reference code: the validation set is held out from the training data
 (the reference draws it from the clients' data); the starting iterate (step 0) is a
-candidate of the model selection too.
+candidate of the model selection too; a model with BatchNorm starts its runs at the
+per-member sample-weighted averages instead of the medians (``starts="auto"``).
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ from fedfusion.curvature import (
     curvature_from_arrays,
     mixture_log_posterior,
 )
+from fedfusion.normalization import has_running_stats
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.wire import WEIGHTS, ClientUpload
+
+#: where FedBEns' server runs start (see ``starts``)
+STARTS = ("auto", "median", "mean", "members")
 
 log = logging.getLogger("fedfusion")
 
@@ -77,14 +82,16 @@ class FedBEns(FusionStrategy):
         refreshes (0 = evaluate every member at every step).
     refresh_every : int, default 10
         Steps between full re-evaluations of all members.
-    starts : {"median", "mean", "members"}, default "median"
+    starts : {"auto", "median", "mean", "members"}, default "auto"
         Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run
         r at the per-parameter median over clients of member r. ``"mean"``: run r at the
         sample-weighted average of member r (FedAvg of member r); for BatchNorm networks,
         whose per-channel weight scales differ between clients, the median mixes scales
         (digits, BN CNN, alpha 0.1: median starts score 0.31-0.44 on val, mean starts
-        0.67-0.73). ``"members"``: one run from every uploaded member (sum_c M_c runs, C times
-        the server work), so the ensemble holds the modes nearest each client's own solutions.
+        0.67-0.73). ``"auto"``: ``"mean"`` for a model with BatchNorm running statistics,
+        ``"median"`` otherwise (measured on the real-models benchmark, docs/strategies.md).
+        ``"members"``: one run from every uploaded member (sum_c M_c runs, C times the server
+        work), so the ensemble holds the modes nearest each client's own solutions.
     modes : int, default 0
         Keep only the first ``modes`` runs (0 = all): ``modes=1`` predicts with the single
         mode from the members-0 median, as the paper's Table 7 returns one model.
@@ -109,7 +116,7 @@ class FedBEns(FusionStrategy):
         eval_every: int = 30,
         prune_margin: float = 50.0,
         refresh_every: int = 10,
-        starts: str = "median",
+        starts: str = "auto",
         modes: int = 0,
         dtype: torch.dtype = torch.float32,
         **kwargs: Any,
@@ -118,8 +125,8 @@ class FedBEns(FusionStrategy):
         if hessian_structure not in STRUCTURES:
             raise ValueError(f"hessian_structure must be one of {STRUCTURES}, "
                              f"got {hessian_structure!r}")
-        if starts not in ("median", "mean", "members"):
-            raise ValueError(f"starts must be 'median', 'mean' or 'members', got {starts!r}")
+        if starts not in STARTS:
+            raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
         if modes < 0:
             raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
         self.starts, self.modes = starts, modes
@@ -158,11 +165,18 @@ class FedBEns(FusionStrategy):
         """``[R]`` global log posterior (Eq. 5) at the R stacked points ``w``."""
         return mixture_log_posterior(w, stacked, owner, num_clients, self.prior_var)
 
+    def start_rule(self) -> str:
+        """The ``starts`` rule in force: ``"auto"`` resolved against the model."""
+        if self.starts != "auto":
+            return self.starts
+        return "mean" if has_running_stats(self.context.model_spec.build()) else "median"
+
     def starting_points(self, uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
         """Run r starts at the per-parameter median (``starts="median"``) or sample-weighted
         average (``"mean"``) over the clients that have member r (the buffers at their
         sample-weighted average), or (``"members"``) at each uploaded member."""
-        if self.starts == "members":
+        rule = self.start_rule()
+        if rule == "members":
             return [u.weights(m) for u in uploads for m in range(u.num_members)][
                 : self.modes or None]
         runs = max(u.num_members for u in uploads)
@@ -173,7 +187,7 @@ class FedBEns(FusionStrategy):
             # buffers (running statistics) are not optimised: the sample-weighted average
             start = weighted_average([u.weights(r) for u in holders],
                                      [u.num_examples for u in holders])
-            if self.starts == "median":
+            if rule == "median":
                 start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
                                               axis=0) for name in parameters})
             starts.append(start)
@@ -200,7 +214,7 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
-                "starts": self.starts, "modes": self.modes,
+                "starts": self.start_rule(), "modes": self.modes,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},

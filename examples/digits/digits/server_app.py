@@ -21,14 +21,10 @@ def main(grid: Grid, context: Context) -> None:
         config["seed"])
     val, (x_test, y_test) = server_data(seed)
     net = model_fn(config)
-    # With BatchNorm, the fused models' running statistics are re-estimated on `val` (the
-    # default rule), and FedBEns starts from per-member averages: per-member medians mix the
-    # clients' different weight scales (fedfusion docs/strategies.md).
-    starts = "mean" if net.keywords["batch_norm"] else "median"
     common = {"num_clients": clients, "num_members": members, "val": val, "seed": seed}
     make = {  # fedfusion glue: one line per strategy
         "fedavg": lambda: FedAvg(net, **common),
-        "fedbens": lambda: FedBEns(net, hessian_structure="kron", starts=starts, **common),
+        "fedbens": lambda: FedBEns(net, hessian_structure="kron", **common),
         "regmean": lambda: RegMean(net, **common),
         "ams": lambda: AdaptiveModelSelection(net, **common),
     }
