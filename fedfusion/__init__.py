@@ -45,12 +45,29 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fedfusion' has no attribute {name!r}")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to ``sys.stdout`` as it is when a record is emitted, not to the stream that was
+    ``sys.stdout`` when the handler was made (a redirect or a test's capture may have closed
+    that one since)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ and setStream assign it
+        pass
+
+
 def setup_logging() -> None:
     """Progress lines of the ``fedfusion`` logger on stdout, in the server and in every client
     process (a Ray actor or a SuperNode has no handler of its own)."""
     log = logging.getLogger("fedfusion")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s fedfusion %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

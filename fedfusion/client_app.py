@@ -13,6 +13,18 @@ The local objective is the cross-entropy, plus what the server's train config as
 ``contrastive-temperature``). The contrastive term needs the client's model of its previous
 round: the ClientApp keeps it in ``context.state``, which Flower persists per node across
 the rounds of a run (:func:`handle_train`).
+
+Where a client's training data comes from (run-config ``client-data``, :func:`training_data`):
+
+* ``partition`` (the default; simulations and demos): every process derives the same split
+  of a built-in dataset (or reads the same ``partition-file``) and node ``partition-id``
+  trains those rows; the number of clients is fixed by ``num-clients``.
+* ``local`` (real devices): the node trains on its own file, ``data-path`` in its node
+  config (:mod:`fedfusion.datasets.local_file`), and nothing else; its client id is its
+  node config's ``client-id`` (else ``partition-id``), any number >= 0 that stays with the
+  device. The server sends the image shape, class count and normalisation of its test set in
+  the train config (:data:`DATA_DESCRIPTION_KEYS`). Devices can join and leave between runs
+  without changing anyone else's data.
 """
 
 from __future__ import annotations
@@ -32,11 +44,12 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedfusion import setup_logging
-from fedfusion.app.config import Settings, default_model
+from fedfusion.app.config import ConfigError, Settings, default_model
 from fedfusion.app.federation import client_for_partition, federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
+from fedfusion.datasets.local_file import LocalDataError, normalise, read_local_data
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 
@@ -44,7 +57,15 @@ log = logging.getLogger("fedfusion")
 
 #: run-config keys a SuperNode's node config may override for its own client
 NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads",
-                  "accelerate", "partition-file", "data-dir")
+                  "accelerate", "partition-file", "data-dir", "data-path")
+
+#: train-config keys by which a server with ``client-data='local'`` describes its data to the
+#: devices: the image shape ``[C, H, W]``, the class count and the per-channel normalisation
+#: of its test set (the devices' own files hold raw pixels)
+DATA_DESCRIPTION_KEYS = ("data.input-shape", "data.num-classes", "data.input-mean",
+                         "data.input-std")
+#: the largest client id a node config may give (ids go into uploads and file names)
+MAX_CLIENT_ID = 2**31 - 1
 
 app = ClientApp()
 
@@ -98,6 +119,80 @@ def loss_terms(model: nn.Module, objective: LocalObjective, previous: NumpyDict 
     return terms
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a client trains on: normalised images, labels, and the dataset's shape."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def data_description(input_shape: Sequence[int], num_classes: int, mean: Sequence[float],
+                     std: Sequence[float]) -> dict[str, Any]:
+    """The train-config entries (:data:`DATA_DESCRIPTION_KEYS`) a ``client-data='local'``
+    server sends: what the devices' files must match, and how to normalise them."""
+    return dict(zip(DATA_DESCRIPTION_KEYS, (
+        [int(v) for v in input_shape], int(num_classes), [float(v) for v in mean],
+        [float(v) for v in std]), strict=True))
+
+
+def training_data(settings: Settings, client_id: int, config: Mapping[str, Any] | None = None
+                  ) -> TrainingData:
+    """Client ``client_id``'s training data: its rows of the shared split (``client-data =
+    'partition'``) or the node's own file ``data-path`` (``'local'``), normalised as the
+    server's description in the train config ``config`` says."""
+    if settings.client_data != "local":
+        split = federated_split(settings)
+        x, y = split.client_data(client_id)
+        return TrainingData(x, y, split.bundle.input_shape, split.bundle.num_classes)
+    config = config or {}
+    if not settings.data_path:
+        raise ConfigError(
+            f"client {client_id}: the run has client-data='local' but this node has no "
+            "data-path: start its SuperNode with --node-config \"data-path='/path/to/data.npz'\"")
+    missing = [key for key in DATA_DESCRIPTION_KEYS if key not in config]
+    if missing:
+        raise ConfigError(f"client {client_id}: the server's train config lacks {missing}: it "
+                          "must run fedfusion with client-data='local' as well")
+    try:
+        shape = tuple(int(v) for v in config["data.input-shape"])
+        num_classes = int(config["data.num-classes"])
+        mean = [float(v) for v in config["data.input-mean"]]
+        std = [float(v) for v in config["data.input-std"]]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"client {client_id}: malformed data description in the train "
+                          f"config: {exc}") from exc
+    if len(shape) != 3 or min(shape) < 1 or num_classes < 1 or not all(
+            math.isfinite(v) for v in mean + std) or not all(v > 0 for v in std):
+        raise ConfigError(f"client {client_id}: invalid data description in the train config: "
+                          f"shape {shape}, {num_classes} classes, mean {mean}, std {std}")
+    try:
+        data = normalise(read_local_data(settings.data_path, shape, num_classes), mean, std)
+    except LocalDataError as exc:
+        raise LocalDataError(f"client {client_id}: {exc}") from exc
+    return TrainingData(data.x, data.y, shape, num_classes)
+
+
+def node_client_id(settings: Settings, node_config: Mapping[str, Any]) -> int:
+    """The client id a node trains as: ``partition-id`` (an index of the shared split), or
+    with ``client-data='local'`` its ``client-id`` (else ``partition-id``): the device's own
+    id, which stays the same whichever devices join or leave."""
+    key = "client-id" if settings.client_data == "local" and "client-id" in node_config \
+        else "partition-id"
+    if key not in node_config:
+        raise ConfigError("the node config has no 'client-id' or 'partition-id': start the "
+                          "SuperNode with --node-config \"client-id=<id> ...\"")
+    value = node_config[key]
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CLIENT_ID:
+        raise ConfigError(f"node config {key}={value!r} must be an integer in "
+                          f"0..{MAX_CLIENT_ID}")
+    return value
+
+
 def member_seed(settings: Settings, client_id: int, member: int, server_round: int) -> int:
     return (settings.seed * 1_000_003 + server_round * 10_007 + client_id * 101 + member) % 2**62
 
@@ -111,21 +206,22 @@ def run_client(
     optional_sections: Sequence[str] = (),
     objective: LocalObjective = LocalObjective(),
     previous: Sequence[NumpyDict] = (),
+    server_config: Mapping[str, Any] | None = None,
 ) -> ClientUpload:
     """Train ``settings.num_members`` members (member m from the server's init m where it
     broadcast one, else from its own seeded init) and make the upload
     (:func:`fedfusion.client.make_upload`).
 
     ``previous[m]`` is member m's model after this client's previous round (for the
-    contrastive term of ``objective``)."""
+    contrastive term of ``objective``); ``server_config`` is the round's train config (it
+    describes the data with ``client-data='local'``, :func:`training_data`)."""
     torch.set_num_threads(settings.client_threads)
     started = time.perf_counter()
-    split = federated_split(settings)
-    x, y = split.client_data(client_id)
+    data = training_data(settings, client_id, server_config)
+    x, y = data.x, data.y
     load_s = time.perf_counter() - started  # ~0 after this process's first client
-    bundle = split.bundle
-    spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
-                     bundle.num_classes, settings.parsed_model_kwargs())
+    spec = ModelSpec(default_model(settings, data.input_shape), data.input_shape,
+                     data.num_classes, settings.parsed_model_kwargs())
     train_config = TrainConfig(settings.local_epochs, settings.lr, settings.momentum,
                                settings.batch_size)
     models: list[nn.Module] = []
@@ -156,7 +252,7 @@ def run_client(
                  stats.samples_per_s, stats.final_loss, extra)
     return make_upload(
         models, x, y, sections, optional_sections=optional_sections, client_id=client_id,
-        model_name=spec.name, model_kwargs=spec.kwargs, num_classes=bundle.num_classes,
+        model_name=spec.name, model_kwargs=spec.kwargs, num_classes=data.num_classes,
         metrics={"train-time-s": train_s, "load-time-s": load_s,
                  **({"contrastive-members": contrastive_members}
                     if objective.contrastive_weight > 0 else {})},
@@ -216,7 +312,8 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
         previous.append({k: v.numpy() for k, v in state[previous_key(len(previous))].items()})
     sections, optional = requested_sections(content)
     upload = run_client(settings, client_id, broadcast_states(content), sections,
-                        int(config.get("server-round", 1)), optional, objective, previous)
+                        int(config.get("server-round", 1)), optional, objective, previous,
+                        server_config=config)
     if contrastive:
         for m in range(upload.num_members):
             state[previous_key(m)] = ArrayRecord(
@@ -234,7 +331,8 @@ def train(msg: Message, context: Context) -> Message:
         # simulations only: node p trains the p-th largest client (client_for_partition)
         node_config["partition-id"] = client_for_partition(
             run_settings, int(node_config["partition-id"]))
+    client_id = node_client_id(run_settings, node_config)
+    node_config["partition-id"] = client_id  # its client-models entry, with client-data='local'
     settings = settings_for_node(context.run_config, node_config)
-    client_id = int(node_config["partition-id"])
     return Message(content=handle_train(settings, client_id, msg.content, context.state),
                    reply_to=msg)

@@ -31,8 +31,11 @@ from fedfusion import setup_logging
 from fedfusion.app.config import ConfigError, Settings, build_strategy, default_model
 from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.architecture import ModelSpec
+from fedfusion.client_app import data_description
+from fedfusion.datasets import load_dataset
 from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.predictors import save_predictor
+from fedfusion.strategies.screening import capped_reason
 from fedfusion.upload_store import load_uploads, make_folder, open_no_follow, save_uploads
 from fedfusion.wire import ClientUpload
 
@@ -43,7 +46,8 @@ log = logging.getLogger("fedfusion")
 DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
              "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
              "model-kwargs", "num-members", "local-epochs", "lr", "momentum", "batch-size",
-             "client-models", "partition-sha256", "val-source", "input-mean", "input-std")
+             "client-models", "partition-sha256", "val-source", "input-mean", "input-std",
+             "client-data")
 #: where the partition file is: adopted from the manifest unless the run config names one
 #: (the file may live elsewhere on this machine; partition-sha256 still has to match)
 PARTITION_KEYS = ("partition-file", "partition-key")
@@ -150,15 +154,25 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
 def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | None,
          folder: Path, results: dict[str, Any], failures: Sequence[tuple[str, str]] = ()
          ) -> None:
-    split = federated_split(settings)
-    if split.partition_sha256 and not settings.partition_sha256:
-        # pinned from here on: the clients check their copy, the manifest records it
-        settings = settings.replace(partition_sha256=split.partition_sha256)
-        results["settings"] = settings.to_mapping()
-    bundle = split.bundle
-    print_histogram(split)
-    results["partition"] = split.describe()
-    if split.val_overlap and settings.server_validation:
+    local_data = settings.client_data == "local"
+    if local_data:
+        # each device trains on its own file: no split, the server only holds its
+        # validation holdout and the test set (what it evaluates on)
+        split = None
+        bundle = load_dataset(settings.dataset, data_dir=settings.data_dir or None,
+                              val_size=settings.val_size, seed=settings.data_seed,
+                              stats=settings.parsed_input_stats())
+        results["partition"] = {"client_data": "local"}
+    else:
+        split = federated_split(settings)
+        if split.partition_sha256 and not settings.partition_sha256:
+            # pinned from here on: the clients check their copy, the manifest records it
+            settings = settings.replace(partition_sha256=split.partition_sha256)
+            results["settings"] = settings.to_mapping()
+        bundle = split.bundle
+        print_histogram(split)
+        results["partition"] = split.describe()
+    if split is not None and split.val_overlap and settings.server_validation:
         log.warning("validation: %d distinct rows of the %d validation rows are also client data "
                     "(val-source='file')", split.val_overlap, len(bundle.val))
     device = resolve_device(settings.server_device)
@@ -206,7 +220,11 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         strategy.start(
             grid,
             num_rounds=settings.num_rounds,
-            train_config=ConfigRecord(),
+            # with client-data='local' the devices learn the data's shape and normalisation
+            # from the server (they hold raw pixels, not the dataset)
+            train_config=ConfigRecord(data_description(
+                bundle.input_shape, bundle.num_classes, bundle.mean, bundle.std)
+                if local_data else {}),
             evaluate_fn=lambda rnd, _arrays: (
                 MetricRecord(evaluate_predictor(rnd)) if rnd > 0 else None),
         )
@@ -217,8 +235,25 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         results["val"] = evaluate(strategy.predictor, context.val.x, context.val.y, device)
     results["num_members"] = [u.num_members for u in strategy.uploads]
     results["clients"] = client_table(strategy.uploads)
+    if local_data:  # what the devices present reported of their own data
+        results["partition"].update(
+            clients=[c["client_id"] for c in results["clients"]],
+            sizes=[c["num_examples"] for c in results["clients"]],
+            histogram=[c["class_histogram"] for c in results["clients"]])
     results["excluded"] = strategy.exclusions
     results["strategy_report"] = strategy.report()
+    # robust aggregation (fedfusion.strategies.screening): the claims every strategy weighted
+    # by less than claimed, what could not be screened, and the fused model against chance
+    results["capped_claims"] = strategy.capped_claims
+    weighted = {r["client_id"]: r["capped_to"] for r in strategy.capped_claims}
+    for row in results["clients"]:  # num_examples is the claim; this is what counted
+        if row["client_id"] in weighted:
+            row["num_examples_weighted"] = weighted[row["client_id"]]
+    results["screening"] = {"screen_factor": strategy.screen_factor,
+                            "num_examples_cap": strategy.num_examples_cap,
+                            "notes": strategy.screen_notes}
+    results["chance"] = strategy.chance
+    results["at_chance"] = None if strategy.chance is None else strategy.chance["at_chance"]
     results["norm_stats"] = {"rule": strategy.norm_stats,
                              "recalibrated_layers": strategy.recalibrated_layers}
     train_times = [c["train_time_s"] for c in results["clients"]]
@@ -240,6 +275,11 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
 def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
     return [{
         "client_id": u.client_id,
+        # who the server knew it as: the Flower node, the id it claimed (a label where the
+        # server decided client_id from the node) and how client_id was decided
+        "node_id": u.node_id,
+        "claimed_client_id": u.claimed_client_id,
+        "client_id_source": u.client_id_source,
         "num_examples": u.num_examples,
         "num_members": u.num_members,
         "model": u.model,
@@ -265,10 +305,12 @@ def print_summary(results: dict[str, Any]) -> None:
     excluded = results.get("excluded") or []
     lines = [
         "=" * 64,
-        f"fedfusion {results['status'].upper()}: strategy {s['strategy']}, "
+        f"fedfusion {results['status'].upper()}"
+        + (" (AT CHANCE)" if results.get("at_chance") else "") + f": strategy {s['strategy']}, "
         f"{s['num-rounds']} round(s)" + (" (replay)" if s.get("replay") else ""),
         f"  data     {s['dataset']}, "
-        + (f"partition file {Path(s['partition-file']).name}"
+        + ("each device's own data (client-data='local')" if s.get("client-data") == "local"
+           else f"partition file {Path(s['partition-file']).name}"
            + (f" [{s['partition-key']}]" if s.get("partition-key") else "")
            if s.get("partition-file") else f"{s['partitioner']} alpha={s['alpha']:g}")
         + f", {s['num-clients']} clients, seed {s['seed']}",
@@ -278,6 +320,12 @@ def print_summary(results: dict[str, Any]) -> None:
                      f"   ECE {test['ece']:.4f}")
     if "val" in results:
         lines.append(f"  val      accuracy {100 * results['val']['accuracy']:.2f}%")
+    if results.get("at_chance"):
+        chance = results["chance"]
+        lines.append(f"  WARNING  the fused model is at chance on the validation data: accuracy "
+                     f"{100 * chance['accuracy']:.2f}% <= chance {100 * chance['chance']:.2f}% "
+                     f"+ margin {100 * chance['margin']:.2f}%")
+    lines += [f"  capped   {capped_reason(r)}" for r in results.get("capped_claims") or []]
     if "client_train_s_sum" in timing:
         lines.append(f"  time     wall {timing['wall_s']:.1f} s | client training "
                      f"{timing['client_train_s_sum']:.1f} s (sum) | server fuse "

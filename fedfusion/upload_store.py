@@ -3,7 +3,8 @@
 Layout of an upload folder::
 
     manifest.json       schema, version, the run settings that produced the uploads,
-                        and one entry per client (model, kwargs, examples, metrics, file)
+                        and one entry per client (model, kwargs, examples, metrics, file;
+                        its Flower node id and claimed client id where known)
     client_<id>.npz     arrays "m<member>/<section>/<name>" (numpy, loaded without pickle)
 
 Loading returns :class:`~fedfusion.wire.ClientUpload` objects that go through the
@@ -55,6 +56,17 @@ ENTRY_FIELDS: dict[str, type] = {
     "client_id": int, "file": str, "model": str, "model_kwargs": dict, "num_examples": int,
     "num_members": int, "metrics": dict,
 }
+#: optional entry fields (absent from folders written before them): who the server knew
+#: the upload came from. ``node_id``: the Flower node (null without Flower);
+#: ``claimed_client_id``: the id the upload claimed, a label where the server decided
+#: ``client_id`` from the node; ``client_id_source``: how it decided
+#: (:mod:`fedfusion.strategies.identity`)
+OPTIONAL_ENTRY_FIELDS: dict[str, type] = {
+    "node_id": int, "claimed_client_id": int, "client_id_source": str,
+}
+#: Flower node ids are unsigned 64-bit integers; client ids 0..2**31-1 (as validation)
+_FIELD_RANGES = {"node_id": (0, 2**64 - 1), "claimed_client_id": (0, 2**31 - 1)}
+_ID_SOURCES = ("", "claimed", "registered", "registry", "server")
 #: zip compressions np.savez / np.savez_compressed write; the others (bzip2, lzma) inflate
 #: a whole read at once, unbounded
 _ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
@@ -108,7 +120,15 @@ def open_no_follow(path: str | Path) -> BinaryIO:
 def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
                  run_config: dict[str, Any]) -> Path:
     """Write ``uploads`` to ``directory`` (created, or an existing real folder; a symlink in
-    its place, or at any file written, is refused with ``OSError``)."""
+    its place, or at any file written, is refused with ``OSError``). Each client's file is
+    named by its client id, so two uploads of one id are refused (``ValueError``, before
+    anything is written) rather than one overwriting the other; the manifest keeps each
+    upload's node id and claimed id (:data:`OPTIONAL_ENTRY_FIELDS`)."""
+    ids = [upload.client_id for upload in uploads]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"uploads of client id(s) {twice} appear more than once; each "
+                         "client's file would overwrite another's")
     directory = make_folder(directory)
     clients = []
     for upload in uploads:
@@ -124,6 +144,8 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
             "client_id": upload.client_id, "file": file, "model": upload.model,
             "model_kwargs": upload.model_kwargs, "num_examples": upload.num_examples,
             "num_members": upload.num_members, "metrics": upload.metrics,
+            "node_id": upload.node_id, "claimed_client_id": upload.claimed_client_id,
+            "client_id_source": upload.client_id_source,
         })
     manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                 "run_config": run_config, "clients": clients}
@@ -184,7 +206,9 @@ def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES
         uploads.append(ClientUpload(
             client_id=entry["client_id"], model=entry["model"],
             model_kwargs=entry["model_kwargs"], num_examples=entry["num_examples"],
-            members=members, metrics=entry["metrics"]))
+            members=members, metrics=entry["metrics"], node_id=entry.get("node_id"),
+            claimed_client_id=entry.get("claimed_client_id"),
+            client_id_source=entry.get("client_id_source") or ""))
     return manifest["run_config"], uploads, failures
 
 
@@ -245,7 +269,20 @@ def _plan_client(root: Path, index: int, entry: object, max_upload_bytes: int) -
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"{where}.{name} must be {kind.__name__}, got {_brief(value)}")
-    unknown = sorted(map(str, set(entry) - set(ENTRY_FIELDS)))
+    for name, kind in OPTIONAL_ENTRY_FIELDS.items():
+        value = entry.get(name)
+        if value is None:  # absent, or null: not known (an upload made without Flower)
+            continue
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}.{name} must be {kind.__name__} or null, got "
+                             f"{_brief(value)}")
+        low, high = _FIELD_RANGES.get(name, (None, None))
+        if low is not None and not low <= value <= high:
+            raise ValueError(f"{where}.{name} is {value}, expected {low}..{high}")
+        if name == "client_id_source" and value not in _ID_SOURCES:
+            raise ValueError(f"{where}.{name} is {_brief(value)}, expected one of "
+                             f"{list(_ID_SOURCES)}")
+    unknown = sorted(map(str, set(entry) - set(ENTRY_FIELDS) - set(OPTIONAL_ENTRY_FIELDS)))
     if unknown:
         raise ValueError(f"{where} has unknown field(s) {_brief(unknown)}")
     num_members = entry["num_members"]

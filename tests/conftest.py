@@ -134,3 +134,27 @@ def sgd_client_app(model_fn: Callable[[], torch.nn.Module], data: dict, epochs: 
         return answer(msg, models, x, y)
 
     return app
+
+
+class SmallCNN(torch.nn.Module):
+    """One strided convolution and a linear head: 1x28x28 -> 10 logits (a user's own model,
+    not the zoo's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 5, stride=2)
+        self.fc = torch.nn.Linear(4 * 12 * 12, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+class TinyNet(torch.nn.Module):
+    """4 features -> log-probabilities of 3 classes: the smallest model a round can carry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.fc(x), dim=1)

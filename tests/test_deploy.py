@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import ssl
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import LAUNCH_TIMEOUT_S
+from test_deploy_doc import shell_blocks
 
 from fedfusion.app.deploy import (
     plan_run,
@@ -94,12 +96,28 @@ def script_env() -> dict[str, str]:
 
 def deploy(work: Path, mode: str, run_config: str, *options: str, common: str = COMMON
            ) -> Deployment:
-    """Run the script; assert it left nothing running, whatever its outcome. Past
-    LAUNCH_TIMEOUT_S it gets SIGTERM (its trap stops the deployment), not subprocess's
+    """Run the script; assert it left nothing running, whatever its outcome."""
+    return run_script(work, mode, ["--mode", mode, "--work-dir", str(work), "--run-config",
+                                   f"{common} {run_config}", *options])
+
+
+def documented_command(test_name: str) -> list[str]:
+    """The arguments of the ``scripts/deploy-local.sh`` command that docs/deploy.md hands to
+    test ``test_name`` (its ``<!-- doc-test: external: ... -->`` block): the page's text is
+    what runs."""
+    (block,) = [b for b in shell_blocks((REPO / "docs" / "deploy.md").read_text())
+                if b.kind == "external" and f"::{test_name} " in f"{b.args[0]} "]
+    words = shlex.split(block.text.replace("\\\n", " "), comments=True)
+    assert words[:2] == ["bash", "scripts/deploy-local.sh"], block.text
+    return words[2:]
+
+
+def run_script(work: Path, mode: str, args: list[str]) -> Deployment:
+    """Run the script with ``args``; assert it left nothing running, whatever its outcome.
+    Past LAUNCH_TIMEOUT_S it gets SIGTERM (its trap stops the deployment), not subprocess's
     SIGKILL, which would leave the deployment running."""
     proc = subprocess.Popen(
-        ["bash", str(SCRIPT), "--mode", mode, "--work-dir", str(work), "--run-config",
-         f"{common} {run_config}", *options],
+        ["bash", str(SCRIPT), *args],
         env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -214,7 +232,11 @@ def test_tls_deployment_refuses_a_supernode_without_the_ca(tmp_path):
 
 
 def test_supernode_authentication_refuses_unregistered_supernodes(tmp_path):
-    run = deploy(tmp_path / "auth", "auth", "strategy=fedavg", "--intruders")
+    """The command docs/deploy.md shows for the script, as written there (plus a work
+    folder)."""
+    args = documented_command("test_supernode_authentication_refuses_unregistered_supernodes")
+    assert args[:3] == ["--mode", "auth", "--intruders"]
+    run = run_script(tmp_path / "auth", "auth", [*args, "--work-dir", str(tmp_path / "auth")])
     results = assert_ok(run, floor=0.55)
     # the intruders had node config partition-id=0: had one taken part, client 0 would be
     # listed twice

@@ -151,7 +151,7 @@ def test_each_member_index_is_its_own_fedfisher():
     two = tiny_upload(0, "diag", seed=0, members=2)
     one = tiny_upload(1, "diag", seed=1, members=1)
     strategy = FedFisher(TINY, num_clients=2, hessian_structure="diag", steps=500, eval_every=50,
-                         dtype=torch.float64, members="each")
+                         dtype=torch.float64, member_fusion="each")
     predictor = strategy.fuse_uploads([two, one])
     assert len(predictor.members) == 2
     single = FedFisher(TINY, num_clients=2, hessian_structure="diag", steps=500, eval_every=50,
@@ -261,7 +261,7 @@ def test_fisher_merge_falls_back_to_fedavg_where_no_client_has_fisher():
 def test_fisher_merge_merges_each_member_index_over_its_holders():
     two = tiny_upload(0, "diag", seed=0, members=2)
     one = tiny_upload(1, "diag", seed=1, members=1)
-    strategy = FisherMerge(TINY, num_clients=2, members="each")
+    strategy = FisherMerge(TINY, num_clients=2, member_fusion="each")
     predictor = strategy.fuse_uploads([two, one])
     assert strategy.required_sections == ("weights", "curvature.diag")
     merged, _ = fisher_merge([two.weights(0), one.weights(0)],

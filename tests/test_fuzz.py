@@ -10,6 +10,8 @@ bytes), builds RecordDicts and ClientUploads from scratch, and mutates cached up
 * :func:`load_uploads` raises :class:`UploadStoreError`, or returns uploads and
   ``(client, reason)`` failures, and every returned upload validates or is refused with an
   :class:`UploadError`.
+* :func:`~fedfusion.strategies.identity.read_client_registry` (the operator's node id ->
+  client id file) returns a registry that keeps its promises or raises ``RegistryError``.
 
 Deterministic (``derandomize``) and modest (the whole file runs in well under a minute on
 two cores).
@@ -37,6 +39,7 @@ from fedfusion import upload_store
 from fedfusion.app.config import Settings
 from fedfusion.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.server_app import output_folder
+from fedfusion.strategies.identity import RegistryError, check_client_registry, read_client_registry
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (
     META_KEY,
@@ -462,3 +465,40 @@ def test_output_folders_with_links_anywhere_are_written_or_refused(data):
             assert (folder / "results.json").read_text() == "{}"
         assert sorted(p.name for p in outside.iterdir()) == ["f"]
         assert (outside / "f").read_text() == "keep"
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70)
+                           | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=22), inner, max_size=4),
+                           max_leaves=12)
+NODE_KEYS = st.integers(-3, 2**64 + 3).map(str) | st.text(max_size=22)
+
+
+@settings(FUZZ, max_examples=200)
+@given(st.data())
+def test_client_registry_files_load_checked_or_raise_registry_error(data):
+    """A client registry file (issue 26, item 1) of any bytes, any JSON, or an almost-right
+    registry: the reader returns a registry that keeps every promise (uint64 node ids,
+    client ids in 0..2**31-1, no client id twice) or raises RegistryError naming the file;
+    nothing else."""
+    kind = data.draw(st.sampled_from(["bytes", "json", "registry"]))
+    if kind == "bytes":
+        content = data.draw(st.binary(max_size=64))
+    elif kind == "json":
+        content = json.dumps(data.draw(JSON_VALUES)).encode()
+    else:
+        content = json.dumps(data.draw(st.dictionaries(
+            NODE_KEYS, st.integers(-2, 2**31 + 2) | JSON_VALUES, max_size=6))).encode()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fleet.json"
+        path.write_bytes(content)
+        try:
+            registry = read_client_registry(path)
+        except RegistryError as exc:
+            assert str(path) in str(exc)
+            return
+    assert all(type(n) is int and 0 <= n < 2**64 for n in registry)
+    assert all(type(c) is int and 0 <= c < 2**31 for c in registry.values())
+    assert len(set(registry.values())) == len(registry)
+    assert check_client_registry(registry) == registry  # what it returns is a registry

@@ -10,8 +10,7 @@ import re
 from pathlib import Path
 
 import torch
-from conftest import label_skewed_fmnist, sgd_client_app
-from torch import nn
+from conftest import SmallCNN, label_skewed_fmnist, sgd_client_app
 
 from fedfusion import LocalGrid
 from fedfusion.app.config import Settings
@@ -168,28 +167,19 @@ def test_library_errors_do_not_speak_in_run_config_keys():
     assert found == []
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 5, stride=2)
-        self.fc = nn.Linear(4 * 12 * 12, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.conv(x)).flatten(1))
-
 
 def test_start_returns_a_result_flower_code_can_use():
     data = label_skewed_fmnist(150, 60, 100)
-    app = sgd_client_app(Net, data)
-    result = FedAvg(Net, num_clients=3).start(LocalGrid(app, num_nodes=3))
+    app = sgd_client_app(SmallCNN, data)
+    result = FedAvg(SmallCNN, num_clients=3).start(LocalGrid(app, num_nodes=3))
     assert isinstance(result, FusionResult)
-    model = Net()
+    model = SmallCNN()
     model.load_state_dict(result.arrays.to_torch_state_dict())  # plain Flower use, strict
     x = data["test"][0][:16]
     with torch.no_grad():
         torch.testing.assert_close(torch.log_softmax(model(x), -1), result.predictor(x))
 
-    result = FedBEns(Net, num_clients=3, num_members=2, steps=4, eval_every=2).start(
+    result = FedBEns(SmallCNN, num_clients=3, num_members=2, steps=4, eval_every=2).start(
         LocalGrid(app, num_nodes=3))
     modes = decode_models(result.arrays)  # several models: the documented encoding
     assert len(modes) == len(result.predictor.members) == 2

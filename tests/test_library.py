@@ -29,6 +29,7 @@ from fedfusion.strategies import (
     UniformEnsemble,
 )
 from fedfusion.strategies.base import FusionStrategy, _summarise_reason
+from fedfusion.strategies.identity import SERVER_ID_BASE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +83,7 @@ def test_fedbens_regmean_and_ams_fuse_a_users_model_through_its_own_client_app(f
                            ("ams", AdaptiveModelSelection(UserNet)),
                            ("ensemble", UniformEnsemble(UserNet)),
                            ("fedavg", FedAvg(UserNet)),
-                           ("fedavg-each", FedAvg(UserNet, members="each"))]:
+                           ("fedavg-each", FedAvg(UserNet, member_fusion="each"))]:
         metrics[name] = evaluate(strategy.fuse_uploads(fedbens.uploads), x_test, y_test)
     accuracy = {name: m["accuracy"] for name, m in metrics.items()}
     print(metrics)
@@ -140,7 +141,7 @@ def test_plain_python_upload_from_models_and_fuse(fmnist):
 
 def test_members_default_is_member_zero_for_single_model_baselines(fmnist):
     """With M = 3 uploaded members FedAvg fuses member 0 only (the papers' baselines);
-    members="each" averages every member index and ensembles the M averages."""
+    member_fusion="each" averages every member index and ensembles the M averages."""
     x, y = fmnist["client0"]
     uploads = []
     for c in range(2):
@@ -151,14 +152,14 @@ def test_members_default_is_member_zero_for_single_model_baselines(fmnist):
             sgd(models[-1], x[c * 300:(c + 1) * 300], y[c * 300:(c + 1) * 300], 1, seed=m)
         uploads.append(client.make_upload(models, x[:300], y[:300], client_id=c))
     first = FedAvg(UserNet).fuse_uploads(uploads)
-    each = FedAvg(UserNet, members="each").fuse_uploads(uploads)
+    each = FedAvg(UserNet, member_fusion="each").fuse_uploads(uploads)
     assert len(first.members) == 1 and len(each.members) == 3
     for name, value in first.members[0].state_dict().items():
         expected = (uploads[0].weights(0)[name] + uploads[1].weights(0)[name]) / 2
         np.testing.assert_allclose(value.numpy(), expected, rtol=1e-5, atol=1e-7)
-    assert len(FedBEns(UserNet).member_modes) == 2 and FedBEns(UserNet).members == "all"
-    with pytest.raises(ValueError, match="members must be one of"):
-        FedBEns(UserNet, members="each")
+    assert len(FedBEns(UserNet).member_fusions) == 2 and FedBEns(UserNet).member_fusion == "all"
+    with pytest.raises(ValueError, match="member_fusion must be one of"):
+        FedBEns(UserNet, member_fusion="each")
 
 
 def test_plain_flower_reply_and_broadcast_get_errors_that_teach(fmnist):
@@ -198,8 +199,8 @@ def untrained_client_app(data: dict, client_id: int | None = None) -> ClientApp:
 
 
 def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
-    """A node slower than round_timeout is excluded as silent; a node claiming another's
-    client id cannot replace that client's upload."""
+    """A node slower than round_timeout is excluded as silent; nodes claiming one client id
+    cannot replace each other's upload (tests/test_node_identity.py has the rules)."""
     strategy = FedAvg(UserNet, num_clients=3, round_timeout=5.0)
     strategy.start(LocalGrid(untrained_client_app(fmnist), 3, delay={1: 6.0}))
     assert [u.client_id for u in strategy.uploads] == [100, 102]
@@ -208,10 +209,12 @@ def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
 
     strategy = FedAvg(UserNet, num_clients=3)
     strategy.start(LocalGrid(untrained_client_app(fmnist, client_id=7), 3))  # all claim id 7
-    assert [(u.client_id, u.node_id) for u in strategy.uploads] == [(7, 100)]
-    assert [e["client"] for e in strategy.exclusions] == ["node 101", "node 102"]
-    assert all("claims client id 7, already uploaded by node 100" in e["reason"]
-               for e in strategy.exclusions)
+    # id 7 is contested, so no node gets it (none can take another's place by racing it);
+    # every node is fused under its own server-assigned id, its claim kept as a label
+    assert [(u.client_id, u.node_id, u.claimed_client_id, u.client_id_source)
+            for u in strategy.uploads] == [(SERVER_ID_BASE + i, 100 + i, 7, "server")
+                                           for i in range(3)]
+    assert strategy.exclusions == []
 
 
 def test_a_hung_client_is_left_behind_at_the_round_timeout(fmnist):

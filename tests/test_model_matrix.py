@@ -104,7 +104,8 @@ def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploa
     # FedAvg on the server, for OTFusion where no neuron moved (the members' common inits:
     # every family here), and for DENSE where validation kept the FedAvg student it starts
     # from (bn_cnn: 3 iterations are a plumbing budget)
-    lazy = FedAvg(spec, val=data["val"], members="first" if fuser.members == "first" else "each")
+    lazy = FedAvg(spec, val=data["val"],
+                  member_fusion="first" if fuser.member_fusion == "first" else "each")
     with torch.no_grad():
         gap = float((lazy.fuse_uploads(uploads)(x) - log_probs).abs().max())
     report = fuser.report()

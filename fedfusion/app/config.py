@@ -51,6 +51,11 @@ class Settings:
     partition_key: str = ""
     partition_sha256: str = ""
     val_source: str = "holdout"
+    # where a client's training data comes from: "partition" (simulations, demos: rows
+    # partition-id of the split every process derives) or "local" (real devices: the file
+    # data-path of the node's node config, the device's own data)
+    client_data: str = "partition"
+    data_path: str = ""
     input_mean: str = ""
     input_std: str = ""
     # model and local training
@@ -86,9 +91,13 @@ class Settings:
     server_validation: bool = True
     round_timeout: float = 3600.0
     node_wait_timeout: float = 600.0
+    client_registry: str = ""
     min_valid_uploads: int = 1
     member_fusion: str = ""
     norm_stats: str = "auto"
+    # robust aggregation (fedfusion.strategies.screening): weight-norm screen, count cap
+    screen_factor: float = 10.0
+    num_examples_cap: float = 3.0
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     fedbens_starts: str = "auto"
@@ -182,6 +191,10 @@ class Settings:
         if self.split_seed < -1:
             raise ConfigError("run-config 'split-seed' must be -1 (follow 'seed') or >= 0")
         _check_choice("val-source", self.val_source, ("holdout", "file"))
+        _check_choice("client-data", self.client_data, ("partition", "local"))
+        if self.client_data == "local" and (self.partition_file or self.largest_client_first):
+            raise ConfigError("run-config client-data='local' (each device trains on its own "
+                              "data-path) excludes 'partition-file' and largest-client-first")
         if self.val_source == "file" and not self.partition_file:
             raise ConfigError("run-config val-source='file' needs a 'partition-file' holding "
                               "validation rows")
@@ -194,6 +207,11 @@ class Settings:
         self.parsed_input_stats()
         if not (self.init_perturbation >= 0 and math.isfinite(self.init_perturbation)):
             raise ConfigError("run-config 'init-perturbation' must be a finite number >= 0")
+        for key in ("screen-factor", "num-examples-cap"):
+            value = getattr(self, key.replace("-", "_"))
+            if not (math.isfinite(value) and (value == 0 or value >= 1)):
+                raise ConfigError(f"run-config {key!r} must be 0 (off) or a number >= 1, got "
+                                  f"{value!r}")
         if self.min_valid_uploads < 1:
             raise ConfigError("run-config 'min-valid-uploads' must be >= 1")
         if self.norm_stats not in NORM_STATS:
@@ -437,9 +455,14 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             round_timeout=settings.round_timeout,
             node_wait_timeout=settings.node_wait_timeout,
             extra_sections=[s for s in settings.extra_sections.split(",") if s],
-            members=settings.member_fusion or None,
+            member_fusion=settings.member_fusion or None,
             client_config=client_config,
             norm_stats=settings.norm_stats,
+            screen_factor=settings.screen_factor,
+            num_examples_cap=settings.num_examples_cap,
+            # identities are decided in live rounds; a replay's uploads carry theirs, so a
+            # registry file that is gone since must not stop it
+            client_registry=None if settings.replay else settings.client_registry or None,
             **kwargs,
             **{arg: values[key]
                for arg, key in STRATEGY_KEYS.get(settings.strategy, {}).items()},

@@ -11,6 +11,12 @@ from fedfusion.datasets.loading import (
     load_dataset,
     read_idx,
 )
+from fedfusion.datasets.local_file import (
+    LocalData,
+    LocalDataError,
+    read_local_data,
+    write_local_data,
+)
 from fedfusion.datasets.partition import (
     PARTITIONERS,
     PartitionError,
@@ -30,6 +36,8 @@ __all__ = [
     "DatasetBundle",
     "DatasetNotFoundError",
     "ImageData",
+    "LocalData",
+    "LocalDataError",
     "PartitionError",
     "PartitionFile",
     "channel_stats",
@@ -38,6 +46,8 @@ __all__ = [
     "load_dataset",
     "partition_indices",
     "read_idx",
+    "read_local_data",
     "read_partition_file",
+    "write_local_data",
     "write_partition_file",
 ]

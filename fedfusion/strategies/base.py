@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -28,7 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
@@ -38,8 +47,16 @@ from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_de
 from fedfusion.normalization import NORM_STATS, recalibrate
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
-from fedfusion.strategies.client_errors import parse_client_error
+from fedfusion.strategies.client_errors import infrastructure_error, parse_client_error
+from fedfusion.strategies.identity import (
+    SERVER,
+    Assignment,
+    NodeIdentities,
+    check_client_registry,
+    read_client_registry,
+)
 from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
+from fedfusion.strategies.screening import capped_reason, chance_check, screen_uploads
 from fedfusion.wire import (
     WEIGHTS,
     ClientUpload,
@@ -120,7 +137,7 @@ COMMON_PARAMETERS = """
     extra_sections : sequence of str, default ()
         Upload sections asked of the clients beyond the strategy's own (e.g. ``["gram"]``),
         so one client run can be replayed into other strategies.
-    members : {"first", "each", "all"}, optional
+    member_fusion : {"first", "each", "all"}, optional
         Which client members to fuse: "first" = member 0 of each client (one model per
         client, the default of the single-model baselines); "each" = member m of all clients
         for every m, predicting with the ensemble of the M results (single-model strategies
@@ -133,9 +150,25 @@ COMMON_PARAMETERS = """
         the sample-weighted average of the clients', re-estimated on ``val``'s inputs, or
         each client's own where the predictor keeps client models. "auto": "client" for
         those predictors, else the strategy's measured default with ``val``, else "average".
+    screen_factor : float, default 10.0
+        Robust aggregation (:mod:`fedfusion.strategies.screening`): a client whose weights
+        hold a layer with an L2 norm above ``screen_factor`` x the median over clients of
+        that layer's norm is excluded, with the layer in the reason (needs >= 3 clients;
+        honest clients measured at most 4.1x; 0 = off).
+    num_examples_cap : float, default 3.0
+        Robust aggregation: every strategy weights a client by at most ``num_examples_cap``
+        x the median of the other clients' claimed example counts; capped claims are
+        recorded (:attr:`capped_claims`) (honest partitions measured at most 2.4x; 0 = off).
     upload_sink : callable, optional
         Called with each round's valid uploads before they are fused, so they are kept even
         if fusion fails (e.g. ``fedfusion.upload_store.save_uploads`` to a folder).
+    client_registry : mapping or path, optional
+        Node id -> client id of an authenticated fleet (a mapping, or a JSON file
+        ``{"<node id>": <client id>}``): a node's upload is fused under its registered id
+        whatever it claims, a node not in it is excluded. Without it the server keeps its
+        own registry: a node's claimed id is honoured only while no other node owns it; a
+        colliding node is fused under a fresh server-assigned id, its claim kept as a
+        label (:mod:`fedfusion.strategies.identity`).
 """
 
 
@@ -146,8 +179,8 @@ class FusionResult(Result):
     ``arrays``: where the fusion is ONE model (FedAvg, FedFisher, RegMean, Fisher merging,
     OTFusion, DENSE, SWA, PFNM with one member), its plain ``state_dict`` as an ``ArrayRecord``
     (``model.load_state_dict(result.arrays.to_torch_state_dict())``, as any Flower code does);
-    where it is several (FedBEns' modes, ``members="each"``, the ensemble, AMS), every model in
-    fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.wire.decode_models`).
+    where it is several (FedBEns' modes, ``member_fusion="each"``, the ensemble, AMS), every
+    model in fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.wire.decode_models`).
     ``predictor``: the fused predictor itself (log-probabilities, :mod:`fedfusion.predictors`),
     also :attr:`FusionStrategy.predictor`."""
 
@@ -168,8 +201,8 @@ class FusionStrategy(Strategy, ABC):
     one_shot_only: ClassVar[bool] = True
     #: True where all clients must share the broadcast architecture
     same_architecture: ClassVar[bool] = True
-    #: the accepted ``members`` values, the default first
-    member_modes: ClassVar[tuple[str, ...]] = ("first", "each")
+    #: the accepted ``member_fusion`` values, the default first
+    member_fusions: ClassVar[tuple[str, ...]] = ("first", "each")
     #: True where the predictor keeps the client models whole (their own BatchNorm statistics)
     keeps_client_models: ClassVar[bool] = False
     #: the ``norm_stats`` rule "auto" picks when a validation set is given (benchmarks/
@@ -198,10 +231,13 @@ class FusionStrategy(Strategy, ABC):
         round_timeout: float = 3600.0,
         node_wait_timeout: float = 600.0,
         extra_sections: Sequence[str] = (),
-        members: str | None = None,
+        member_fusion: str | None = None,
         client_config: Mapping[str, float] | None = None,
         norm_stats: str = "auto",
+        screen_factor: float = 10.0,
+        num_examples_cap: float = 3.0,
         upload_sink: Callable[[list[ClientUpload]], None] | None = None,
+        client_registry: Mapping[int, int] | str | os.PathLike[str] | None = None,
     ):
         val_data = as_labelled(val, "val") if val is not None else None
         spec = ModelSpec.from_model_fn(model_fn)
@@ -234,13 +270,28 @@ class FusionStrategy(Strategy, ABC):
         self.norm_stats = norm_stats if norm_stats != "auto" else (
             "client" if self.keeps_client_models else
             self.default_norm_stats if val_data is not None and len(val_data) else "average")
-        self.members = members or self.member_modes[0]
-        _check("members", self.members, self.members in self.member_modes,
-               f"one of {self.member_modes} for {type(self).__name__}")
+        #: which members of each upload are fused ("first", "each" or "all")
+        self.member_fusion = member_fusion or self.member_fusions[0]
+        _check("member_fusion", self.member_fusion, self.member_fusion in self.member_fusions,
+               f"one of {self.member_fusions} for {type(self).__name__}")
         self.num_members, self.fraction_train = num_members, fraction_train
         self.min_train_nodes, self.min_available_nodes = min_train_nodes, min_available_nodes
         self.min_valid_uploads, self.round_timeout = min_valid_uploads, float(round_timeout)
         self.node_wait_timeout = float(node_wait_timeout)
+        _check("screen_factor", screen_factor, math.isfinite(screen_factor)
+               and (screen_factor == 0 or screen_factor >= 1), "0 (off) or a number >= 1")
+        _check("num_examples_cap", num_examples_cap, math.isfinite(num_examples_cap)
+               and (num_examples_cap == 0 or num_examples_cap >= 1), "0 (off) or a number >= 1")
+        #: robust aggregation (:mod:`fedfusion.strategies.screening`): the norm-screen
+        #: factor and the cap on claimed counts relative to the other clients (0 = off)
+        self.screen_factor, self.num_examples_cap = float(screen_factor), float(num_examples_cap)
+        #: every capped claim, with its round (claimed and capped counts, the others' median)
+        self.capped_claims: list[dict[str, Any]] = []
+        #: what screening could not do (e.g. fewer than 3 clients), with its round
+        self.screen_notes: list[dict[str, Any]] = []
+        #: the last fused predictor's validation accuracy against chance
+        #: (:func:`~fedfusion.strategies.screening.chance_check`); None without ``val``
+        self.chance: dict[str, Any] | None = None
         #: sections asked of the clients beyond ``required_sections`` (kept for replays)
         self.extra_sections = tuple(extra_sections)
         #: entries added to every round's train config: the client-side objective
@@ -258,6 +309,18 @@ class FusionStrategy(Strategy, ABC):
         self.client_round_seconds = 0.0
         self._sent_at: float | None = None
         self._sent_to: list[int] = []
+        #: wall-clock time (time.time(), as Flower's message timestamps) of the last send
+        self._sent_wall = 0.0
+        #: the metadata of the messages last sent: Flower's grids write each message's id
+        #: into it when they push it, and replies name that id (``reply_to_message_id``)
+        self._sent_metadata: list[Metadata] = []
+        if isinstance(client_registry, (str, os.PathLike)):
+            client_registry = read_client_registry(client_registry)
+        elif client_registry is not None:
+            client_registry = check_client_registry(client_registry)
+        #: the server-side registry node id -> client id (:mod:`fedfusion.strategies.
+        #: identity`): kept across rounds; the operator's ``client_registry`` when given
+        self.identities = NodeIdentities(client_registry)
 
     @property
     def num_clients(self) -> int:
@@ -284,17 +347,21 @@ class FusionStrategy(Strategy, ABC):
         return self._fuse_valid(self._unique_clients(valid, server_round), server_round)
 
     def _fuse_valid(self, uploads: list[ClientUpload], server_round: int) -> nn.Module:
+        # robust aggregation, once for every strategy: outliers excluded, claimed counts
+        # capped in the copies fused (``weighted``); the sink keeps every valid upload
+        received = sorted(uploads, key=lambda u: u.client_id)
+        uploads, weighted = self._screen(received, server_round)
         if len(uploads) < self.min_valid_uploads:
             reasons = "".join(f"\n  - client {e['client']}: {_summarise_reason(e['reason'])}"
                               for e in self.exclusions if e["round"] == server_round)
             raise RuntimeError(
                 f"round {server_round}: {len(uploads)} valid upload(s), need at least "
                 f"{self.min_valid_uploads} (min_valid_uploads); excluded:{reasons or ' none'}")
-        uploads = sorted(uploads, key=lambda u: u.client_id)
         self.uploads = uploads
         if self.upload_sink is not None:
-            self.upload_sink(uploads)
-        if self.members == "first":
+            self.upload_sink(received)
+        uploads = weighted
+        if self.member_fusion == "first":
             uploads = [dataclasses.replace(u, members=u.members[:1]) for u in uploads]
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
@@ -302,7 +369,36 @@ class FusionStrategy(Strategy, ABC):
         self.recalibrated_layers = self._apply_norm_stats(self.predictor)
         self.fuse_seconds += time.perf_counter() - start
         self._check_predictor(self.predictor)
+        self._check_chance(self.predictor, server_round)
         return self.predictor
+
+    def _screen(self, uploads: list[ClientUpload], server_round: int
+                ) -> tuple[list[ClientUpload], list[ClientUpload]]:
+        """:func:`~fedfusion.strategies.screening.screen_uploads` at this strategy's
+        ``screen_factor`` and ``num_examples_cap``: outliers excluded (:meth:`exclude`),
+        capped claims and what could not be screened recorded and logged. Returns the kept
+        uploads as received and as fused (capped counts)."""
+        result = screen_uploads(uploads, screen_factor=self.screen_factor,
+                                num_examples_cap=self.num_examples_cap)
+        for upload, reason in result.excluded:
+            self.exclude(server_round, f"node {upload.node_id}" if upload.node_id is not None
+                         else upload.client_id, reason)
+        for note in result.notes:
+            log.warning("[%s] round %d: %s", self.name, server_round, note)
+            self.screen_notes.append({"round": server_round, "note": note})
+        for record in result.capped:
+            log.warning("[%s] round %d: %s", self.name, server_round, capped_reason(record))
+            self.capped_claims.append({"round": server_round, **record})
+        return result.kept, result.weighted
+
+    def _check_chance(self, predictor: nn.Module, server_round: int) -> None:
+        """Record (:attr:`chance`) and warn when the fused predictor is no better than
+        chance on the validation data."""
+        self.chance = chance_check(predictor, self.context.val, self.context.device)
+        if self.chance is not None and self.chance["at_chance"]:
+            log.warning("[%s] round %d: the fused model is at chance on the validation data: "
+                        "accuracy %.3f, chance %.3f (+ margin %.3f)", self.name, server_round,
+                        self.chance["accuracy"], self.chance["chance"], self.chance["margin"])
 
     def _apply_norm_stats(self, predictor: nn.Module) -> int:
         """The ``norm_stats`` rule on the fused models (the average is what :meth:`fuse`
@@ -340,8 +436,10 @@ class FusionStrategy(Strategy, ABC):
 
     def _unique_clients(self, uploads: list[ClientUpload], server_round: int
                         ) -> list[ClientUpload]:
-        """One upload per client id: a later claim of an id (another node, in the order given;
-        live rounds sort by node id) is excluded, so no client's upload can replace another's."""
+        """One upload per client id: a later upload of an id (in the order given) is
+        excluded, so no client's upload can replace another's. Uploads made without Flower
+        and replays rely on it; in a live round :meth:`_identify` has already given every
+        node its own id, so nothing is excluded here."""
         owner: dict[int, ClientUpload] = {}
         for upload in uploads:
             first = owner.setdefault(upload.client_id, upload)
@@ -430,10 +528,17 @@ class FusionStrategy(Strategy, ABC):
         required = max(self.min_available_nodes, self.min_train_nodes)
         available = wait_for_nodes(grid, required, self.node_wait_timeout,
                                    where=f"[{self.name}] round {server_round}")
+        # an operator registry names the fleet: a node outside it is neither sampled nor
+        # sent the model
+        for node in sorted(n for n in available if not self.identities.admits(n)):
+            self.exclude(server_round, f"node {node}", f"node {node} is not in the client "
+                         "registry; not sent the round")
+        available = [n for n in available if self.identities.admits(n)]
         sample_size = min(max(int(len(available) * self.fraction_train), self.min_train_nodes),
                           len(available))
-        node_ids = sample_nodes(available, sample_size,
-                                round_generator(self.context.seed, server_round))
+        # none admitted: nothing is sent, and the round fails listing the exclusions
+        node_ids = sample_nodes(available, sample_size, round_generator(
+            self.context.seed, server_round)) if available else []
         spec = self.context.model_spec
         config[ROUND_KEY] = server_round
         config[SECTIONS_KEY] = list(self.required_sections)
@@ -446,28 +551,52 @@ class FusionStrategy(Strategy, ABC):
             config[OPTIONAL_SECTIONS_KEY] = optional
         record = RecordDict({"arrays": arrays, "config": config})
         log.info("[%s] round %d: sending to %d client(s)", self.name, server_round, len(node_ids))
-        self._sent_at = time.perf_counter()
+        self._sent_at, self._sent_wall = time.perf_counter(), time.time()
         self._sent_to = list(node_ids)
-        return [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)
-                for node in node_ids]
+        messages = [Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN)
+                    for node in node_ids]
+        # the grid writes each message's id into this metadata as it pushes the message
+        self._sent_metadata = [msg.metadata for msg in messages]
+        return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode + validate each reply (excluding bad ones and silent nodes), then fuse."""
+        """Decode + validate each reply, decide each upload's client id from its node
+        (:mod:`fedfusion.strategies.identity`), then fuse.
+
+        Each reply is attributed to the node its message was sent to, matched by
+        ``reply_to_message_id`` to the messages :meth:`configure_train` sent: Flower's own
+        error replies (a node whose heartbeat stopped, an expired message) come from the
+        SuperLink (``src_node_id`` 1), not from the node. Every sent node gives exactly one
+        outcome: an upload, or one exclusion with its reason (a client error, a lost node,
+        an expired message, an invalid upload, or no reply)."""
+        round_seconds: float | None = None
         if self._sent_at is not None:
-            self.client_round_seconds += time.perf_counter() - self._sent_at
+            round_seconds = time.perf_counter() - self._sent_at
+            self.client_round_seconds += round_seconds
             self._sent_at = None
+        sent = {md.message_id: md.dst_node_id for md in self._sent_metadata if md.message_id}
         valid: list[ClientUpload] = []
-        replied = set()
+        replied: set[int] = set()
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = self._reply_node(reply, sent)
+            if node is None:
+                reason = (f"client error: {parse_client_error(reply.error.reason)}"
+                          if reply.has_error() else "an upload")
+                self.exclude(server_round, f"unknown node (reply from node "
+                             f"{reply.metadata.src_node_id})", f"answers message "
+                             f"{reply.metadata.reply_to_message_id!r}, which this round did "
+                             f"not send; ignored ({_summarise_reason(reason, 200)})")
+                continue
+            if node in replied:
+                self.exclude(server_round, f"node {node}", "a second reply to one message; "
+                             "ignored (the first was kept)")
+                continue
             replied.add(node)
             if reply.has_error():
-                # under Ray the reason is a wrapped traceback: name the ClientApp's exception
-                error = parse_client_error(reply.error.reason)
-                self.exclude(server_round, f"node {node}", f"client error: {error}",
-                              detail=error.traceback)
+                reason, detail = self._error_reason(reply, round_seconds)
+                self.exclude(server_round, f"node {node}", reason, detail=detail)
                 continue
             try:
                 upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
@@ -477,19 +606,81 @@ class FusionStrategy(Strategy, ABC):
                 self.exclude(server_round, exc.client, exc.problem)
                 continue
             upload.node_id = node
-            log.info("[%s] round %d: client %d (node %d): %d member(s), %d examples, %.2f MB",
-                     self.name, server_round, upload.client_id, node, upload.num_members,
-                     upload.num_examples, upload.nbytes / 1e6)
+            log.info("[%s] round %d: node %d (claims client %d): %d member(s), %d examples, "
+                     "%.2f MB", self.name, server_round, node, upload.client_id,
+                     upload.num_members, upload.num_examples, upload.nbytes / 1e6)
             valid.append(upload)
         for node in self._sent_to:
             if node not in replied:
-                self.exclude(server_round, f"node {node}",
-                              f"no reply within {self.round_timeout:g} s")
-        valid.sort(key=lambda u: u.node_id)  # replies come in any order: lowest node id first
+                self.exclude(server_round, f"node {node}", self._silence_reason(round_seconds))
+        valid = self._identify(valid, server_round)
         predictor = self._fuse_valid(self._unique_clients(valid, server_round), server_round)
         metrics = MetricRecord({"num-valid-uploads": len(self.uploads),
                                 "num-examples": sum(u.num_examples for u in self.uploads)})
         return self.broadcast_arrays(predictor), metrics
+
+    def _reply_node(self, reply: Message, sent: Mapping[str, int]) -> int | None:
+        """The node a reply is from, as the server knows it: the destination of the message
+        it answers (``reply_to_message_id``); else, for a grid that gives its messages no
+        ids, its ``src_node_id`` when this round was sent there (or when nothing was sent
+        through :meth:`configure_train`: replies handed to :meth:`aggregate_train` directly);
+        else None (unattributable)."""
+        node = sent.get(reply.metadata.reply_to_message_id)
+        if node is not None:
+            return node
+        src = reply.metadata.src_node_id
+        return src if src in self._sent_to or not self._sent_to else None
+
+    def _error_reason(self, reply: Message, round_seconds: float | None) -> tuple[str, str]:
+        """(reason, detail) of an error reply: what the SuperLink reports in a node's place
+        (node lost, message or reply expired), timed from the send by the reply's own
+        timestamp where it has one; else the ClientApp's exception (its traceback as the
+        detail)."""
+        seconds = round_seconds
+        created = reply.metadata.created_at
+        if self._sent_wall and created > self._sent_wall:
+            # when the SuperLink declared it (the round may have gone on for other nodes)
+            seconds = created - self._sent_wall
+            if round_seconds is not None:
+                seconds = min(seconds, round_seconds)
+        reason = infrastructure_error(reply.error.code, seconds)
+        if reason is not None:
+            return reason, reply.error.reason or ""
+        # under Ray the reason is a wrapped traceback: name the ClientApp's exception
+        error = parse_client_error(reply.error.reason)
+        return f"client error: {error}", error.traceback
+
+    def _silence_reason(self, round_seconds: float | None) -> str:
+        """Why a node that sent nothing back is excluded: the round timeout, or (a grid
+        that returned before it) how long the grid waited."""
+        if round_seconds is None or round_seconds >= 0.99 * self.round_timeout:
+            return f"no reply within {self.round_timeout:g} s"
+        return (f"no reply: the grid returned after {round_seconds:.0f} s, before the "
+                f"{self.round_timeout:g} s round timeout, without a reply or an error for "
+                "this node")
+
+    def _identify(self, uploads: list[ClientUpload], server_round: int) -> list[ClientUpload]:
+        """Give each live upload the client id the server decides from its node
+        (:attr:`identities`): the claim becomes the label ``claimed_client_id``; a node the
+        operator's registry lacks is excluded; a colliding claim is fused under a fresh
+        server-assigned id, with a warning, never in another node's place."""
+        decided = self.identities.assign([(u.node_id, u.client_id) for u in uploads
+                                          if u.node_id is not None])
+        kept = []
+        for upload in sorted(uploads, key=lambda u: (u.node_id is None, u.node_id or 0)):
+            outcome = decided.get(upload.node_id) if upload.node_id is not None else None
+            if isinstance(outcome, str):
+                self.exclude(server_round, f"node {upload.node_id}", outcome)
+                continue
+            if isinstance(outcome, Assignment):
+                upload.claimed_client_id = upload.client_id
+                upload.client_id, upload.client_id_source = outcome.client_id, outcome.source
+                if outcome.note:
+                    log.log(logging.WARNING if outcome.source == SERVER else logging.INFO,
+                            "[%s] round %d: node %d %s", self.name, server_round,
+                            upload.node_id, outcome.note)
+            kept.append(upload)
+        return kept
 
     def _declared_shapes(self, model: str, kwargs: dict[str, object]) -> ParamShapes:
         """Shapes of a client's declared architecture, refused before anything is built when

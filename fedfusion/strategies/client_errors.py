@@ -112,3 +112,24 @@ def parse_client_error(reason: str) -> ClientError:
     if match is not None and match["msg"] is not None and "\n" not in body:
         return ClientError(match["type"], match["msg"])
     return ClientError("", body)
+
+
+#: Flower's error codes for replies the SuperLink (not the ClientApp) makes, as in
+#: ``flwr.common.constant.ErrorCode`` (tests/test_node_loss.py checks them against Flower's)
+MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE = 3, 4, 5
+
+
+def infrastructure_error(code: int, seconds: float | None) -> str | None:
+    """The exclusion reason for an error reply the SuperLink made in the node's place
+    (``code`` one of the three above), naming what happened and ``seconds`` after sending;
+    None for any other code (an error of the ClientApp itself)."""
+    after = f" after {seconds:.0f} s" if seconds is not None else ""
+    if code == NODE_UNAVAILABLE:
+        return (f"node unavailable (lost heartbeat){after}: the SuperLink stopped hearing "
+                "from the node during the round (it left, crashed or lost its network)")
+    if code == MESSAGE_UNAVAILABLE:
+        return (f"message unavailable{after}: the round's message expired or the node was "
+                "removed from the federation before it replied")
+    if code == REPLY_MESSAGE_UNAVAILABLE:
+        return f"reply expired{after}: the node's reply outlived its TTL before it was pulled"
+    return None

@@ -303,7 +303,7 @@ adv_mask, eval_fraction
     """
 
     name = "dense"
-    member_modes = ("first", "all")  # teachers: member 0 of each client, or every member
+    member_fusions = ("first", "all")  # teachers: member 0 of each client, or every member
     required_sections = (WEIGHTS,)
 
     def __init__(

@@ -21,7 +21,7 @@ class UniformEnsemble(FusionStrategy):
 
     name = "ensemble"
     same_architecture = False
-    member_modes = ("all", "first")
+    member_fusions = ("all", "first")
     keeps_client_models = True
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:

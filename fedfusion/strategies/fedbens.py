@@ -100,7 +100,7 @@ class FedBEns(FusionStrategy):
     """
 
     name = "fedbens"
-    member_modes = ("all", "first")
+    member_fusions = ("all", "first")
 
     def __init__(
         self,

@@ -39,6 +39,13 @@ class ClientUpload:
     metrics: dict[str, float | int | list[int] | list[float]] = field(default_factory=dict)
     #: the Flower node it came from (set by the server; None for uploads made without Flower)
     node_id: int | None = field(default=None, compare=False)
+    #: the client id the upload claimed, kept as a label where the server decided
+    #: ``client_id`` from the node (:mod:`fedfusion.strategies.identity`); None without Flower
+    claimed_client_id: int | None = field(default=None, compare=False)
+    #: how the server decided ``client_id``: "claimed" (the claim, honoured), "registered"
+    #: (the node's id from an earlier round), "registry" (the operator's registry), "server"
+    #: (a fresh id: the claim collided); "" without Flower
+    client_id_source: str = field(default="", compare=False)
 
     @property
     def num_members(self) -> int:
