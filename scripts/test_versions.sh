@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The library's tests at both ends of the version ranges it claims (pyproject.toml), each in a
-# library-only environment (.venv-lib-oldest, .venv-lib-newest: no App pins, no Ray, no
-# torchvision). Idempotent: an environment that exists with the same packages is reused.
+# The library's tests at both ends of the version ranges it claims (pyproject.toml): the oldest
+# end in a library-only environment (no Ray, no torchvision), the newest end with the App's
+# packages too (flwr[simulation] 1.42 + torchvision), where the App's own `flwr run` tests
+# also run. CI runs it after the suite (.ci/run). The environments live outside the checkout
+# ($FEDFUSION_VERSION_ENVS, default ~/.cache/fedfusion/version-envs: each is ~6 GB of CUDA
+# wheels) and are reused when they hold the same packages (a stamp file).
 # A torch the registry lists but cannot resolve (torch 2.15.0 here: its CUDA wheels have no
 # matching dependencies) is not claimed; the newest end is the newest that installs.
 set -euo pipefail
@@ -16,22 +19,39 @@ LIB_TESTS=(tests/test_accel.py tests/test_ams_toy.py tests/test_client_errors.py
            tests/test_node_sampling.py tests/test_wire.py tests/test_real_models.py
            tests/test_side_effects.py tests/test_training.py)
 
+# the App under the newest flwr: every `flwr run` path (launch, replay, Ray errors, interrupt)
+APP_TESTS=(tests/test_e2e_flower.py tests/test_launch.py)
+ENVS="${FEDFUSION_VERSION_ENVS:-$HOME/.cache/fedfusion/version-envs}"
+
 run_end() {
-  local name=$1; shift
-  local venv=".venv-lib-$name" packages=("$@" "laplace-torch==0.3" "pytest>=8"
-                                          "hypothesis==6.170.17")
+  local name=$1 tests=$2; shift 2
+  local venv="$ENVS/$name" packages=("$@" "laplace-torch==0.3" "pytest>=8"
+                                     "hypothesis==6.170.17")
   local want; want="$(printf '%s\n' "${packages[@]}" | sha256sum | cut -c1-16)"
   if [ ! -f "$venv/.stamp" ] || [ "$(cat "$venv/.stamp")" != "$want" ]; then
     echo "test_versions: creating $venv (${packages[*]})"
     rm -rf "$venv"
+    mkdir -p "$ENVS"
     "$PYTHON" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "${packages[@]}"
+    # pip's warnings (e.g. about this machine's package mirrors) go to a log, shown on failure
+    if ! { "$venv/bin/python" -m pip install -q --upgrade pip &&
+           "$venv/bin/python" -m pip install -q "${packages[@]}"; } > "$venv.pip.log" 2>&1; then
+      tail -40 "$venv.pip.log"; exit 1
+    fi
     echo "$want" > "$venv/.stamp"
   fi
   "$venv/bin/python" -c "import torch, flwr, numpy, scipy; from importlib.metadata import version as v; print('test_versions: $name: torch', torch.__version__, 'flwr', v('flwr'), 'numpy', numpy.__version__, 'scipy', scipy.__version__)"
-  OMP_NUM_THREADS=1 PYTHONPATH=. "$venv/bin/python" -m pytest -q -p no:cacheprovider "${LIB_TESTS[@]}"
+  local -n selected=$tests
+  OMP_NUM_THREADS=1 PYTHONPATH=. "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    "${selected[@]}"
 }
 
-run_end oldest "torch==2.10.0" "flwr==1.40.0" "numpy==1.26.4" "scipy==1.13.1"
-run_end newest "torch==2.14.1" "flwr==1.42.0" "numpy" "scipy"
+BOTH_TESTS=("${LIB_TESTS[@]}" "${APP_TESTS[@]}")
+ENDS=" ${*:-oldest newest} "  # e.g. `bash scripts/test_versions.sh newest` for one end
+if [[ $ENDS == *" oldest "* ]]; then
+  run_end oldest LIB_TESTS "torch==2.10.0" "flwr==1.40.0" "numpy==1.26.4" "scipy==1.13.1"
+fi
+if [[ $ENDS == *" newest "* ]]; then
+  run_end newest BOTH_TESTS "torch==2.14.1" "torchvision==0.29.1" "flwr[simulation]==1.42.0" \
+    "numpy" "scipy"
+fi

@@ -13,10 +13,10 @@ from test_fedbens import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays
-from fedfusion.strategies.base import FusionContext
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
+from fedfusion.strategies.fusion import FusionContext
 from fedfusion.wire import ClientUpload
 
 CONTEXT = FusionContext(TINY)

@@ -28,7 +28,7 @@ from fedfusion.models import build_model
 from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
-from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.fusion import FusionContext
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     MAX_ABS_CURVATURE,

@@ -28,7 +28,7 @@ from fedfusion.strategies import (
     RegMean,
     UniformEnsemble,
 )
-from fedfusion.strategies.base import FusionStrategy, _summarise_reason
+from fedfusion.strategies.fusion import Fusion, _summarise_reason
 from fedfusion.strategies.identity import SERVER_ID_BASE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,7 +317,7 @@ def test_every_strategy_documents_every_argument(name):
     cls = STRATEGIES[name]
     documented = documented_parameters(inspect.getdoc(cls) or "")
     for klass in cls.__mro__:
-        if not issubclass(klass, FusionStrategy):
+        if not issubclass(klass, Fusion):
             continue
         for arg in inspect.signature(klass.__init__).parameters:
             if arg not in ("self", "kwargs"):

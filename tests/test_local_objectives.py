@@ -14,7 +14,7 @@ from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, repre
 from fedfusion.models import build_model
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
-from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.fusion import FusionContext
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
 from fedfusion.wire import decode_upload, encode_models
 

@@ -19,7 +19,7 @@ from fedfusion.client import make_upload
 from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.predictors import ModelSpec
 from fedfusion.strategies import FedAvg
-from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.fusion import FusionContext
 from fedfusion.strategies.otfusion import (
     OTFusion,
     activation_cost,

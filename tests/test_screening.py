@@ -27,7 +27,7 @@ from torch import nn
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.server_app import run_server
-from fedfusion.strategies import AdaptiveModelSelection, FedAvg, FusionStrategy
+from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
 from fedfusion.strategies.screening import (
     CHANCE_MARGIN_MIN,
     NORM_FLOOR,
@@ -325,7 +325,7 @@ def test_the_knobs_are_checked_and_their_defaults_are_the_run_configs():
     assert (Settings().screen_factor, Settings().num_examples_cap) == (10.0, 3.0)
     for arg, value in (("screen_factor", Settings().screen_factor),
                        ("num_examples_cap", Settings().num_examples_cap)):
-        assert inspect.signature(FusionStrategy.__init__).parameters[arg].default == value
+        assert inspect.signature(Fusion.__init__).parameters[arg].default == value
         with pytest.raises(ValueError, match=f"{arg} must be 0 .off. or a number >= 1, "
                                              "got 0.5"):
             FedAvg(SmallCNN, **{arg: 0.5})

@@ -167,7 +167,7 @@ def test_non_finite_results_are_errors_and_results_json_stays_strict():
 def test_server_optimiser_refuses_a_non_finite_objective():
     import torch
 
-    from fedfusion.strategies.base import FusionContext
+    from fedfusion.strategies.fusion import FusionContext
     from fedfusion.strategies.server_optim import ServerOptimiser
 
     def objective(w):  # run 1 diverged (as extreme curvature makes the log-density do)

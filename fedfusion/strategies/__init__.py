@@ -14,6 +14,7 @@ from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fedprox import FedProx
 from fedfusion.strategies.fisher_merge import FisherMerge
+from fedfusion.strategies.fusion import Fusion
 from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.strategies.pfnm import PFNM
 from fedfusion.strategies.regmean import RegMean
@@ -40,6 +41,7 @@ __all__ = [
     "FedBEns",
     "FedFisher",
     "FedProx",
+    "Fusion",
     "FisherMerge",
     "FusionResult",
     "FusionStrategy",

@@ -23,7 +23,7 @@ from torch.func import functional_call
 
 from fedfusion.evaluation import classification_metrics
 from fedfusion.normalization import recalibrate
-from fedfusion.strategies.base import FusionContext
+from fedfusion.strategies.fusion import FusionContext
 
 log = logging.getLogger("fedfusion")
 
