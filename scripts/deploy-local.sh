@@ -73,7 +73,7 @@ WORK="${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/fedfusion-deploy.XXXXXX")}"
 mkdir -p "$WORK/logs"
 WORK="$(cd "$WORK" && pwd)"
 helper() {
-  PYTHONPATH="$APP_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m fedfusion.app.deploy "$@"
+  "$PYTHON" "$APP_DIR/scripts/deploy_tools.py" "$@"
 }
 
 # NUM_CLIENTS, RESULTS, RUN_CONFIG_ARGS (relative paths resolve against the caller's folder)

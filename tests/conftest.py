@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,10 @@ import torch
 
 from fedfusion.app.config import Settings
 from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
+
+# the operations helpers live outside the package (scripts/deploy_tools.py, not in the
+# wheel); the deployment tests import them from there
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 __all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun", "initial_models",
            "label_skewed_fmnist", "sgd"]

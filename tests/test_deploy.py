@@ -37,15 +37,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import LAUNCH_TIMEOUT_S
-from test_deploy_doc import shell_blocks
-
-from fedfusion.app.deploy import (
+from deploy_tools import (
     plan_run,
     processes_under,
     stop,
     write_node_key,
     write_tls_files,
 )
+from test_deploy_doc import shell_blocks
+
 from fedfusion.app.launch import is_running, launch
 from fedfusion.datasets import write_partition_file
 

@@ -40,8 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from fedfusion.app.deploy import processes_under, stop
+from deploy_tools import processes_under, stop
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "deploy.md"

@@ -26,6 +26,8 @@ def installed(tmp_path_factory) -> Path:
                     "--no-build-isolation", "--target", str(site), str(REPO)], check=True)
     assert (site / "fedfusion" / "strategies" / "fedbens.py").is_file()
     assert not (site / "tests").exists() and not (site / "examples").exists()
+    # operations helpers (CA, node keys, process management) stay in the checkout
+    assert not (site / "fedfusion" / "app" / "deploy.py").exists()
     return site
 
 

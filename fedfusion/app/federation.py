@@ -94,7 +94,7 @@ def client_for_partition(settings: Settings, partition_id: int) -> int:
     busiest worker instead of 38.6k in id order. The data partitions are virtual (every
     process derives the same split), so this only changes which node trains which client;
     uploads carry the client id. On real SuperNodes ``partition-id`` names the node's own
-    data, so the flag must stay off there (``fedfusion.app.deploy`` refuses it).
+    data, so the flag must stay off there (``scripts/deploy_tools.py`` refuses it).
     Out-of-range ids are returned as they are (the split reports them)."""
     sizes = [len(rows) for rows in federated_split(settings).client_indices]
     if not 0 <= partition_id < len(sizes):

@@ -1,9 +1,13 @@
-"""Helpers of ``scripts/deploy-local.sh``: the parts of a local Flower deployment bash does badly.
+"""Operations helpers for a Flower deployment of the App, from a checkout (not part of the
+wheel: a library user's process never needs a CA, node keys or process management).
+
+They serve ``scripts/deploy-local.sh`` (the parts of a local deployment bash does badly),
+the walkthrough in docs/deploy.md and its tests.
 
 The script starts a real ``flower-superlink`` and N ``flower-supernode`` processes on
 127.0.0.1 (Flower's deployment engine, no Ray) and runs the App on them with ``flwr run``;
 its commands are the ones a user types on real machines (see docs/deploy.md). This module
-gives it, as ``python -m fedfusion.app.deploy <command>``:
+gives, as ``python scripts/deploy_tools.py <command>``:
 
 ``tls DIR [--host H]... [--days D]``
     a new CA and a server certificate it signs for H... and 127.0.0.1/localhost:
@@ -46,7 +50,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fedfusion.app.launch import (
+# run as a script from a checkout: the checkout's fedfusion, as the benchmarks do
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fedfusion.app.launch import (  # noqa: E402
     _toml_item,
     absolute_paths,
     free_port,
@@ -405,7 +412,7 @@ def _lines(items: Iterator[str] | Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedfusion.app.deploy",
+    parser = argparse.ArgumentParser(prog="python scripts/deploy_tools.py",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("tls", help="CA + server certificate for H... and 127.0.0.1/localhost")
