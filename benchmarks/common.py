@@ -25,6 +25,14 @@ def live_run(run_config: str, out: str, name: str) -> dict:
     return launch(f"{run_config} output-dir='{out}' run-name={name}")
 
 
+def own_peak_bytes() -> int:
+    """This process's peak resident set (Linux ``VmHWM``: its own address space only; not
+    ``ru_maxrss``, which Linux carries across ``exec`` from the parent)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("VmHWM:"))) * 1024
+
+
 def cell(values: list[float], paper: float | None = None) -> str:
     """``mean +- sd (n)``, then the paper's value in brackets and our difference to it."""
     if not values:

@@ -39,6 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import own_peak_bytes  # noqa: E402
+
 from fedfusion import client, evaluate  # noqa: E402
 from fedfusion.architecture import ModelSpec  # noqa: E402
 from fedfusion.curvature import KronCurvature, curvature_from_arrays  # noqa: E402
@@ -89,13 +91,6 @@ def truncate(uploads: list, rank: int) -> list:
             assert isinstance(kron, KronCurvature)
             member["curvature.kron"] = kron.to_arrays(rank=rank or None)
     return uploads
-
-
-def own_peak_bytes() -> int:
-    """This process's peak resident set (Linux ``VmHWM``: its own address space only)."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines()
-                    if line.startswith("VmHWM:"))) * 1024
 
 
 def cached_client_uploads(cache: str | None, rows: int, epochs: int) -> tuple[list, dict]:

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+# two pytest-xdist workers: the tests that start Flower processes run one after another on
+# one of them (tests/conftest.py), the library tests spread over both
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

@@ -31,6 +31,19 @@ LAUNCH_TIMEOUT_S = 600
 
 ensure_task_identity()
 
+#: test files that start Flower or Ray processes (flwr run, SuperLinks, SuperNodes) and look
+#: for the processes they left: with pytest-xdist (scripts/test.sh runs two workers) they run
+#: one after another on one worker, never beside each other; the rest spread over both
+FLOWER_PROCESS_TESTS = {"test_e2e_flower.py", "test_e2e_swa.py", "test_launch.py",
+                        "test_deploy.py", "test_deploy_doc.py", "test_example_app.py",
+                        "test_ray_cluster.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FLOWER_PROCESS_TESTS:
+            item.add_marker(pytest.mark.xdist_group("flower-processes"))
+
 
 @pytest.fixture
 def small_settings(tmp_path) -> Settings:

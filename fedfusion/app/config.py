@@ -88,6 +88,7 @@ class Settings:
     server_lr: float = 0.001
     server_clip: float = 1.0
     server_eval_every: int = 30
+    server_patience: int = 0
     server_validation: bool = True
     round_timeout: float = 3600.0
     node_wait_timeout: float = 600.0
@@ -183,7 +184,7 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
                     "server-steps", "server-steps-noval", "replay-members", "fedbens-modes",
-                    "server-threads"):
+                    "server-threads", "server-patience"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:
@@ -404,7 +405,8 @@ STRATEGY_KEYS: dict[str, dict[str, str]] = {
     "fedbens": {"hessian_structure": "hessian-structure", "temperature": "temperature",
                 "prior_var": "prior-var", "steps": "server-steps",
                 "steps_noval": "server-steps-noval", "lr": "server-lr", "clip": "server-clip",
-                "eval_every": "server-eval-every", "prune_margin": "mixture-prune-margin",
+                "eval_every": "server-eval-every", "patience": "server-patience",
+                "prune_margin": "mixture-prune-margin",
                 "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
                 "modes": "fedbens-modes"},
     "fedfisher": {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",

@@ -181,10 +181,16 @@ class ProcessTracker:
                                         daemon=True)
         self._thread.start()
 
-    def stop_watching(self) -> None:
+    def stop_watching(self, timeout: float = 10.0) -> None:
+        """Stop the watcher, waiting at most ``timeout`` s: a read of ``/proc/<pid>/cmdline``
+        can block while that process tears down a large address space, and the watcher is
+        a daemon thread, so the caller goes on without it rather than wait for it."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                print(f"fedfusion.app.launch: the process watcher did not stop within "
+                      f"{timeout:.0f} s; going on without it", file=sys.stderr, flush=True)
             self._thread = None
 
 
@@ -324,8 +330,10 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     env = dict(os.environ, FLWR_HOME=str(flwr_home),
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
                FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                FLWR_DISABLE_UPDATE_CHECK="1")
+    # the environment is installed up front (offline here); a caller who wants Flower >= 1.42
+    # to install the App's dependencies at run time sets this to 0
+    env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     # numpy's OpenBLAS thread pool spun forever (100% of a core, >8 min) inside a 256 x 256
     # Cholesky in the ServerApp thread of flwr-simulation (Ray loaded), twice; the same replay
     # alone took 17 s. The server's numpy matrices are small: one BLAS thread is enough.
@@ -426,21 +434,35 @@ def stop_launch(tracker: ProcessTracker, env: dict[str, str], flwr_home: Path, h
     than losing it mid-round. Then every process the launch started is terminated (SIGTERM,
     SIGKILL after ``grace_s``): those ``tracker`` recorded and any still holding the launch's
     private ``FLWR_HOME`` in its environment (a process re-parented before the tracker saw
-    it), repeated up to ``rounds`` times while a dying process spawns another."""
+    it), repeated up to ``rounds`` times while a dying process spawns another. Each step
+    is printed (stderr), so a log shows where a slow stop spends its time."""
+    started = time.monotonic()
+
+    def step(what: str) -> None:
+        print(f"fedfusion.app.launch: {what} (+{time.monotonic() - started:.1f} s)",
+              file=sys.stderr, flush=True)
+
+    if stop_run:
+        step("stopping the run and every process it started")
     tracker.stop_watching()
-    tracker.add_trees([])
     with _signals_held():
+        tracker.add_trees([])
         if stop_run and tracker.run_id is not None and any(
                 "flower-superlink" in tracker.processes[pid][1] for pid in tracker.alive()):
+            step(f"flwr stop {tracker.run_id}")
             _flwr_stop(tracker.run_id, env)
         for _ in range(rounds):
             found = {*tracker.alive(), *processes_with_env("FLWR_HOME", str(flwr_home))}
             pids = sorted(found - {os.getpid()})
             if not pids:
                 break
+            if stop_run:
+                step(f"stopping {len(pids)} process(es)")
             tracker.add_trees(pids)
             stop_process_trees(pids, grace_s)
         stop_superlink(http_port)  # one started too late for the tracker to see
+        if stop_run:
+            step("stopped")
 
 
 def _flwr_stop(run_id: int, env: dict[str, str], timeout: float = 30.0) -> None:

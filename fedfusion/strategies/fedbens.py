@@ -77,6 +77,11 @@ class FedBEns(FusionStrategy):
         Gradient-norm clip per mode.
     eval_every : int, default 30
         Steps between model-selection evaluations.
+    patience : int, default 0
+        Stop once no run has improved its score (validation, or objective without a
+        validation set) in ``patience`` evaluations; every run keeps its best iterate, so
+        this changes the result only where a run would have improved later. 0 = run all
+        ``steps``.
     prune_margin : float, default 50.0
         Members more than this many nats below their client's best are skipped between
         refreshes (0 = evaluate every member at every step).
@@ -114,6 +119,7 @@ class FedBEns(FusionStrategy):
         lr: float = 1e-3,
         clip: float = 1.0,
         eval_every: int = 30,
+        patience: int = 0,
         prune_margin: float = 50.0,
         refresh_every: int = 10,
         starts: str = "auto",
@@ -127,6 +133,8 @@ class FedBEns(FusionStrategy):
                              f"got {hessian_structure!r}")
         if starts not in STARTS:
             raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
+        if patience < 0:
+            raise ValueError(f"patience must be >= 0 (0 = run every step), got {patience}")
         if modes < 0:
             raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
         self.starts, self.modes = starts, modes
@@ -140,7 +148,7 @@ class FedBEns(FusionStrategy):
         self.prune_margin, self.refresh_every = prune_margin, refresh_every
         self.mixture: MixtureObjective | None = None
         self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
-                                         dtype=dtype, label="fedbens")
+                                         patience=patience, dtype=dtype, label="fedbens")
 
     # ------------------------------------------------------------------ posterior
     def build_posterior(self, uploads: Sequence[ClientUpload]) -> tuple[StackedGaussians,

@@ -38,12 +38,14 @@ class ServerOptimiser:
     lr: float = 1e-3
     clip: float | None = 1.0
     eval_every: int = 30
+    patience: int = 0  # evaluations without a better score before stopping; 0 = never
     optimizer: str = "adam"  # adam | sgd
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     dtype: torch.dtype = torch.float32
     label: str = "server"
     trace: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at: int | None = None
     best_scores: list[tuple[float, float]] = field(default_factory=list)
 
     def maximise(self, objective: Objective, starts: Sequence[dict[str, np.ndarray]],
@@ -68,7 +70,8 @@ class ServerOptimiser:
         net = context.model_spec.build().to(device)
         best_score = [(-np.inf, -np.inf)] * runs
         best = [self._snapshot(w, buffers, r) for r in range(runs)]
-        self.trace = []
+        self.trace, self.stopped_at = [], None
+        stale = 0  # evaluations since any run last improved
         for step in range(self.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             value = objective(w)
@@ -80,16 +83,23 @@ class ServerOptimiser:
             if step % self.eval_every == 0 or step == self.steps:
                 scores = self.score(net, w, value.detach(), context, buffers,
                                     recalibrate_stats)
+                stale += 1
                 for r, score in enumerate(scores):
                     if score > best_score[r]:
                         best_score[r] = score
                         best[r] = self._snapshot(w, buffers, r)
+                        stale = 0
                 self.trace.append({"step": step, "objective": value.detach().cpu().tolist(),
                                    "score": [list(s) for s in scores]})
                 log.info("[%s] step %d/%d: objective %s | score %s", self.label, step,
                          self.steps, " ".join(f"{v:.4g}" for v in value.tolist()),
                          " ".join(f"{s[0]:.4f}" for s in scores))
             if step == self.steps:
+                break
+            if self.patience and stale >= self.patience:
+                self.stopped_at = step
+                log.info("[%s] stopped at step %d: no run improved in the last %d evaluations",
+                         self.label, step, self.patience)
                 break
             (-value.sum()).backward()
             if self.clip is not None:
@@ -136,6 +146,7 @@ class ServerOptimiser:
         return {"steps": self.steps, "lr": self.lr, "clip": self.clip,
                 "optimizer": self.optimizer, "adam_betas": list(self.adam_betas),
                 "adam_eps": self.adam_eps, "eval_every": self.eval_every,
+                "patience": self.patience, "stopped_at": self.stopped_at,
                 "best_scores": [list(s) for s in self.best_scores], "trace": self.trace}
 
 

@@ -1,0 +1,299 @@
+"""FedBEns at 100 clients and beyond (issue 27): the simulation, the server's cost against C.
+
+FMNIST, LeNet, Kron (T = 0.1, sigma^2 = 0.1), Dirichlet alpha = 0.3, 20 local epochs, 500
+server validation rows, seed 0. Stages (each resumable: a finished run is reused):
+
+* ``live``: one ``flwr run`` of FedBEns with C = 100 clients, M = 5 (Ray backend, 2 actors),
+  its uploads saved; wall time, the machine's memory in use (MemTotal - MemAvailable, sampled
+  every 0.5 s, with the baseline before the launch), the server's fusion time, accuracy.
+* ``train``: clients that really train, in this process (the App's ClientApp on an
+  :class:`~fedfusion.app.inprocess.InProcessGrid`, no Ray) at C = 200 (M = 2) and C = 500
+  (M = 1), uploads saved: Ray's per-client overhead is not what this measures.
+* ``server``: FedBEns replayed in a fresh process per cell (peak memory = its own
+  ``VmHWM``) on the first C clients of an upload set, C = 5 ... 500, with the default
+  schedule (300 steps) and with ``server-patience=2`` (stop once no run improved in 2
+  evaluations, i.e. 60 steps); server time, accuracy, the step it stopped at.
+* ``baselines``: at C = 100, FedAvg, the uniform ensemble of all C x M members, and an
+  ensemble at FedBEns' inference cost (member 0 of 5 clients: 5 forward passes, as 5 modes).
+* ``tables``: the table, ``benchmarks/results/scale.json`` and ``scale.png`` (server time
+  against C on log-log axes with the fitted slope, accuracy beside it).
+
+    .venv/bin/python benchmarks/scale.py live
+    .venv/bin/python benchmarks/scale.py train
+    .venv/bin/python benchmarks/scale.py server
+    .venv/bin/python benchmarks/scale.py baselines
+    .venv/bin/python benchmarks/scale.py tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common import REPO, live_run, own_peak_bytes, section_mb
+
+from fedfusion.app.config import Settings  # noqa: E402
+from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
+from fedfusion.server_app import run_server  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "scale.json"
+OUT = REPO / "outputs" / "bench-scale"
+BASE = "strategy=fedbens hessian-structure=kron alpha=0.3 seed=0"
+#: upload set -> (clients, members, how its clients ran)
+SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process"),
+        "c500_m1_s0": (500, 1, "in-process")}
+#: server cells: (upload set, clients replayed)
+CELLS = [("c100_m5_s0", c) for c in (5, 10, 20, 40, 100)] + [("c200_m2_s0", 200),
+                                                             ("c500_m1_s0", 500)]
+PATIENCE = (0, 2)
+
+
+def machine_used_mb() -> float:
+    """Memory in use on the whole machine: MemTotal - MemAvailable, MB."""
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) / 1024
+
+
+class MemorySampler:
+    """The peak of :func:`machine_used_mb` while the ``with`` block runs."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.peak, self.baseline = interval, 0.0, machine_used_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, machine_used_mb())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def load() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"sets": {}, "cells": []}
+
+
+def save(results: dict) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def record_set(results: dict, name: str, run: dict, how: str, wall: float,
+               memory: MemorySampler | None) -> None:
+    clients, members, _ = SETS[name]
+    results["sets"][name] = {
+        "clients": clients, "members": members, "clients_ran": how,
+        "wall_s": round(wall, 1), "timing": run["timing"],
+        "test_accuracy": run["test"]["fedbens"]["accuracy"] if "fedbens" in run["test"]
+        else run["test"]["accuracy"],
+        "upload_mb_per_client": round(sum(section_mb(str(OUT / name / "uploads")).values())
+                                      * members, 3),
+        **({"machine_peak_mb": round(memory.peak), "machine_baseline_mb": round(
+            memory.baseline)} if memory else {}),
+    }
+    save(results)
+
+
+def stage_live(results: dict) -> None:
+    name = "c100_m5_s0"
+    if name in results["sets"]:
+        print(f"reusing {name}")
+        return
+    start = time.perf_counter()
+    with MemorySampler() as memory:
+        run = live_run(f"{BASE} num-clients=100 num-members=5", str(OUT), name)
+    record_set(results, name, run, "flwr run", time.perf_counter() - start, memory)
+
+
+def stage_train(results: dict) -> None:
+    for name, (clients, members, how) in SETS.items():
+        if how != "in-process" or name in results["sets"]:
+            continue
+        print(f"training {clients} clients x {members} member(s) in process ...", flush=True)
+        settings = Settings.from_mapping({
+            "strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
+            "num-clients": clients, "num-members": members, "output-dir": str(OUT),
+            "run-name": name})
+        start = time.perf_counter()
+        run = run_server(settings, InProcessGrid(settings))
+        record_set(results, name, run, how, time.perf_counter() - start, None)
+
+
+#: one replay in a fresh process, printing its own peak memory
+REPLAY = """
+import json, sys
+sys.path.insert(0, {bench!r})
+from common import own_peak_bytes
+from fedfusion.app.replay import replay
+run = replay({uploads!r}, "fedbens", {config!r})
+print("RESULT", json.dumps({{"timing": run["timing"], "test": run["test"],
+      "report": {{k: v for k, v in run["strategy_report"].items() if k != "trace"}},
+      "peak_mb": own_peak_bytes() / 2**20}}))
+"""
+
+
+def stage_server(results: dict) -> None:
+    done = {(c["set"], c["clients"], c["patience"]) for c in results["cells"]}
+    for name, clients in CELLS:
+        if not (OUT / name / "uploads").is_dir():
+            print(f"skipping {name}: no uploads (run the live / train stage)")
+            continue
+        for patience in PATIENCE:
+            if (name, clients, patience) in done:
+                continue
+            total = SETS[name][0]
+            subset = "" if clients == total else "replay-clients='{}'".format(
+                ",".join(map(str, range(clients))))
+            config = (f"server-patience={patience} {subset} output-dir='/tmp/fedfusion-scale' "
+                      f"run-name={name}-{clients}-p{patience}")
+            code = REPLAY.format(bench=str(REPO / "benchmarks"),
+                                 uploads=str(OUT / name / "uploads"), config=config)
+            print(f"server: {name}, C = {clients}, patience {patience} ...", flush=True)
+            done_run = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                      text=True, cwd=REPO, check=True)
+            line = next(x for x in done_run.stdout.splitlines() if x.startswith("RESULT "))
+            run = json.loads(line[len("RESULT "):])
+            mixture = run["report"]["mixture"]
+            cell = {"set": name, "clients": clients, "members": SETS[name][1],
+                    "patience": patience, "server_s": round(run["timing"]["server_fuse_s"], 2),
+                    "test_accuracy": run["test"]["accuracy"],
+                    "stopped_at": run["report"].get("stopped_at"),
+                    "refreshes": mixture.get("refreshes"),
+                    "active_set_changes": mixture.get("active_set_changes"),
+                    "server_peak_mb": round(run["peak_mb"])}
+            print(f"  {cell['server_s']} s, accuracy {cell['test_accuracy']:.4f}, peak "
+                  f"{cell['server_peak_mb']} MB, stopped at {cell['stopped_at']}", flush=True)
+            results["cells"].append(cell)
+            save(results)
+
+
+#: baselines replayed on the C = 100 uploads: name -> (strategy, run-config, forward passes)
+BASELINES = {
+    "fedavg": ("fedavg", "", 1),
+    "ensemble_all": ("ensemble", "", 500),
+    # the inference cost of FedBEns' 5 modes: member 0 of clients 0-4
+    "ensemble_5": ("ensemble", "replay-members=1 replay-clients='0,1,2,3,4'", 5),
+}
+
+
+def stage_baselines(results: dict) -> None:
+    uploads = OUT / "c100_m5_s0" / "uploads"
+    if not uploads.is_dir():
+        print("skipping the baselines: no C = 100 uploads")
+        return
+    from fedfusion.app.replay import replay
+    for name, (strategy, config, passes) in BASELINES.items():
+        if name in results.setdefault("baselines_c100", {}):
+            continue
+        run = replay(str(uploads), strategy, f"{config} output-dir='/tmp/fedfusion-scale' "
+                     f"run-name=c100-{name}")
+        results["baselines_c100"][name] = {"test_accuracy": run["test"]["accuracy"],
+                                           "forward_passes": passes,
+                                           "server_s": round(run["timing"]["server_fuse_s"], 2)}
+        print(f"{name}: {run['test']['accuracy']:.4f}", flush=True)
+        save(results)
+
+
+def loglog_slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of log(y) on log(x)."""
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs)
+
+
+def stage_tables(results: dict) -> None:
+    print("| upload set | clients ran | C | M | wall | machine peak | server fuse | test "
+          "accuracy | upload MB per client |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, row in results["sets"].items():
+        peak = (f"{row['machine_peak_mb'] / 1024:.2f} GiB (baseline "
+                f"{row['machine_baseline_mb'] / 1024:.2f})" if "machine_peak_mb" in row else "-")
+        print(f"| {name} | {row['clients_ran']} | {row['clients']} | {row['members']} | "
+              f"{row['wall_s']:.0f} s | {peak} | {row['timing']['server_fuse_s']:.1f} s | "
+              f"{100 * row['test_accuracy']:.2f} | {row['upload_mb_per_client']:.2f} |")
+    print()
+    print("| C | M | server s (300 steps) | accuracy | server s (patience 2) | accuracy | "
+          "stopped at | server peak MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    cells = {(c["clients"], c["patience"]): c for c in results["cells"]}
+    for clients in sorted({c for c, _ in cells}):
+        full, early = cells.get((clients, 0)), cells.get((clients, 2))
+        if not full or not early:
+            continue
+        print(f"| {clients} | {full['members']} | {full['server_s']:.1f} | "
+              f"{100 * full['test_accuracy']:.2f} | {early['server_s']:.1f} | "
+              f"{100 * early['test_accuracy']:.2f} | {early['stopped_at'] or 300} | "
+              f"{max(full['server_peak_mb'], early['server_peak_mb'])} |")
+    for name, row in results.get("baselines_c100", {}).items():
+        print(f"C = 100 baseline {name}: {100 * row['test_accuracy']:.2f}% "
+              f"({row['forward_passes']} forward pass(es) per input)")
+    slopes = {}
+    for patience in PATIENCE:
+        points = [(c["clients"] * c["members"], c["server_s"]) for c in results["cells"]
+                  if c["patience"] == patience]
+        if len(points) >= 2:
+            slopes[patience] = loglog_slope(points)
+            print(f"log-log slope of server time against C x M (patience {patience}): "
+                  f"{slopes[patience]:.2f}")
+    results["loglog_slope_vs_components"] = slopes
+    save(results)
+    plot(results)
+
+
+def plot(results: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for patience, label in ((0, "300 steps"), (2, "patience 2")):
+        cells = sorted((c for c in results["cells"] if c["patience"] == patience),
+                       key=lambda c: c["clients"])
+        xs = [c["clients"] for c in cells]
+        left.loglog(xs, [c["server_s"] for c in cells], "o-", label=label)
+        right.semilogx(xs, [100 * c["test_accuracy"] for c in cells], "o-", label=label)
+    left.axhline(60, color="grey", ls=":", label="60 s target")
+    left.set(xlabel="clients C (M = 5 up to 100, 2 at 200, 1 at 500)",
+             ylabel="FedBEns server fusion, s (2 cores)")
+    right.set(xlabel="clients C", ylabel="test accuracy %")
+    for axis in (left, right):
+        axis.legend()
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS.with_suffix(".png"), dpi=120)
+    print(f"wrote {RESULTS.with_suffix('.png')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("stage", choices=("live", "train", "server", "baselines", "tables",
+                                          "all"))
+    args = parser.parse_args()
+    results = load()
+    stages = {"live": stage_live, "train": stage_train, "server": stage_server,
+              "baselines": stage_baselines, "tables": stage_tables}
+    for name, stage in stages.items():
+        if args.stage in (name, "all"):
+            stage(results)
+    print(f"peak of this process: {own_peak_bytes() / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
