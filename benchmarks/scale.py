@@ -188,6 +188,11 @@ BASELINES = {
 }
 
 
+BASELINE_LABELS = {"fedavg": "FedAvg (member 0)",
+                   "ensemble_all": "uniform ensemble of all C x M members",
+                   "ensemble_5": "uniform ensemble of 5 members (member 0 of clients 0-4)"}
+
+
 def stage_baselines(results: dict) -> None:
     uploads = OUT / "c100_m5_s0" / "uploads"
     if not uploads.is_dir():
@@ -238,9 +243,15 @@ def stage_tables(results: dict) -> None:
               f"{100 * full['test_accuracy']:.2f} | {early['server_s']:.1f} | "
               f"{100 * early['test_accuracy']:.2f} | {early['stopped_at'] or 300} | "
               f"{max(full['server_peak_mb'], early['server_peak_mb'])} |")
-    for name, row in results.get("baselines_c100", {}).items():
-        print(f"C = 100 baseline {name}: {100 * row['test_accuracy']:.2f}% "
-              f"({row['forward_passes']} forward pass(es) per input)")
+    fedbens = next((c for c in results["cells"] if c["clients"] == 100), None)
+    if results.get("baselines_c100") and fedbens:
+        print()
+        print("| method (C = 100) | forward passes per input | test accuracy |")
+        print("|---|---|---|")
+        print(f"| FedBEns, 5 modes | 5 | {100 * fedbens['test_accuracy']:.2f} |")
+        for name, row in results["baselines_c100"].items():
+            print(f"| {BASELINE_LABELS[name]} | {row['forward_passes']} | "
+                  f"{100 * row['test_accuracy']:.2f} |")
     slopes = {}
     for patience in PATIENCE:
         points = [(c["clients"] * c["members"], c["server_s"]) for c in results["cells"]

@@ -11,7 +11,7 @@ STAMP="$VENV/.fedfusion-setup"
 # nothing below may pull another torch.
 PACKAGES=(
   "torch==2.14.1" "torchvision==0.29.1" "flwr[simulation]==1.41.0" "laplace-torch==0.3"
-  "numpy>=1.26" "pytest>=8" "pytest-xdist==3.8.0" "ruff>=0.6" "hatchling" "hypothesis==6.170.17"
+  "numpy>=1.26" "pytest>=8" "ruff>=0.6" "hatchling" "hypothesis==6.170.17"
   # optional: the flwr-dirichlet partitioner (Flower Datasets); tested, so installed here
   "flwr-datasets==0.6.1"
   # the example App of examples/digits (scikit-learn ships its data set), tested in CI

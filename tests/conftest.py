@@ -20,7 +20,7 @@ from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
 # wheel); the deployment tests import them from there
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-__all__ = ["LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun", "initial_models",
+__all__ = ["FLOWER_PROCESSES", "LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun", "initial_models",
            "label_skewed_fmnist", "sgd"]
 # (tests import them from here)
 
@@ -31,18 +31,10 @@ LAUNCH_TIMEOUT_S = 600
 
 ensure_task_identity()
 
-#: test files that start Flower or Ray processes (flwr run, SuperLinks, SuperNodes) and look
-#: for the processes they left: with pytest-xdist (scripts/test.sh runs two workers) they run
-#: one after another on one worker, never beside each other; the rest spread over both
-FLOWER_PROCESS_TESTS = {"test_e2e_flower.py", "test_e2e_swa.py", "test_launch.py",
-                        "test_deploy.py", "test_deploy_doc.py", "test_example_app.py",
-                        "test_ray_cluster.py"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in FLOWER_PROCESS_TESTS:
-            item.add_marker(pytest.mark.xdist_group("flower-processes"))
+#: the test files that start Flower or Ray processes (flwr run, SuperLinks, SuperNodes) and
+#: look for the processes they left carry ``pytestmark = FLOWER_PROCESSES``: scripts/test.sh
+#: runs them one after another in one pytest process, beside a second one for the other tests
+FLOWER_PROCESSES = pytest.mark.flower_processes
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAUNCH_TIMEOUT_S
+from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 from deploy_tools import (
     plan_run,
     processes_under,
@@ -48,6 +48,8 @@ from test_deploy_doc import shell_blocks
 
 from fedfusion.app.launch import is_running, launch
 from fedfusion.datasets import write_partition_file
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "deploy-local.sh"

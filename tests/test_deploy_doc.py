@@ -40,7 +40,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FLOWER_PROCESSES
 from deploy_tools import processes_under, stop
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "deploy.md"

@@ -16,9 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH_TIMEOUT_S
+from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 
 from fedfusion.app.launch import ProcessTracker, launch
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = "num-clients=3 local-epochs=2 train-subset=9000 alpha=1.0 val-size=300"

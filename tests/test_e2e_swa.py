@@ -9,9 +9,11 @@ round 2. Floor 40% (64.5% when written; 10% is chance).
 from __future__ import annotations
 
 import pytest
-from conftest import LAUNCH_TIMEOUT_S
+from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 
 from fedfusion.app.launch import launch
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 
 def test_swa_with_contrastive_clients_through_flwr_run(tmp_path):

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH_TIMEOUT_S
+from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 
 from fedfusion.app.launch import launch
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digits"

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import FLOWER_PROCESSES
 from flwr.cli.build import build_fab_from_disk
 
 from fedfusion.app import launch as launch_module
@@ -21,6 +22,8 @@ from fedfusion.app.launch import (
     processes_with_env,
     stage_app,
 )
+
+pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
 
 @pytest.mark.parametrize("app_dir", [APP_DIR, APP_DIR / "examples" / "digits"])
