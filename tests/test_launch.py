@@ -94,10 +94,12 @@ def test_an_interrupted_launch_stops_its_run_and_leaves_no_process(
     env = dict(os.environ, FEDFUSION_TEST_LAUNCH=marker, OMP_NUM_THREADS="1",
                PYTHONPATH=str(APP_DIR))
     log = tmp_path / "launch.log"
-    # about 70 s of training at the stacked trainer's 15,000 samples/s: the signal comes
-    # seconds after the round starts. (With 3,000 epochs the launcher once took more than
-    # 120 s to exit after the signal in CI, cause not found: issue 25.)
-    config = (f"num-clients=2 local-epochs=100 train-subset=20000 alpha=1.0 val-size=100 "
+    # about 3.5 min of training at the stacked trainer's 15,000 samples/s, so the signal comes
+    # while the clients train even when the test sees the Ray worker late (100 epochs, about
+    # 70 s, ended first once, with the library tests on the other core). (With 3,000 epochs
+    # the launcher once took more than 120 s to exit after the signal in CI, cause not found:
+    # its stop now logs each step, issue 25.)
+    config = (f"num-clients=2 local-epochs=300 train-subset=20000 alpha=1.0 val-size=100 "
               f"output-dir='{tmp_path}' run-name=interrupted")
     # pid -> every command line seen (Ray workers retitle themselves "ray::ClientAppActor..."
     # once their actor starts: the worker is spotted by either title)
