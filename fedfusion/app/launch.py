@@ -498,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-config", default="", help='e.g. "strategy=ensemble alpha=0.4"')
     parser.add_argument("--num-supernodes", type=int, default=None)
     args = parser.parse_args(argv)
+    # Ctrl-C stops the run even when this process inherited SIGINT ignored: a shell script's
+    # background job (`cmd &` without job control) starts with it ignored, and Python then
+    # leaves it so (the interrupt test hung 120 s that way when its pytest ran in the background)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch(args.run_config, args.num_supernodes)
     except RuntimeError as exc:
