@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, cell, live_run
+from common import PAPER_STARTS, REPO, cell, live_run
 
 RESULTS = REPO / "benchmarks" / "results" / "authors_setting.json"
 #: FedBEns before issue 16 (benchmarks/fedbens.py, the same setting)
@@ -182,7 +182,8 @@ def measure(alpha: float, seed: int, local_epochs: int, out: str) -> dict:
     sampler.start()
     start = time.perf_counter()
     results = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
-                       f"num-members=5 local-epochs={local_epochs} hessian-structure=kron",
+                       f"num-members=5 local-epochs={local_epochs} hessian-structure=kron "
+                       f"{PAPER_STARTS}",
                        out, name)
     launch_s = time.perf_counter() - start
     sampler.stop.set()

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, cell
+from common import PAPER_STARTS, REPO, cell
 from fedbens import (
     BASELINES,
     LABELS,
@@ -101,7 +101,7 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         f"local-epochs={args.epochs} hessian-structure=kron server-threads=1 "
         f"{members} {extra} "
         f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
-        f"val-source='file' {NORMS[norm]}")
+        f"val-source='file' {NORMS[norm]} {PAPER_STARTS}")
     if live is None:
         return None
     clients_table = live["clients"]
@@ -118,7 +118,8 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
     methods = row["methods"]
 
     def add(method: str, tag: str, **changes: object) -> None:
-        methods[method] = summary(replay(out, name, tag, **changes))
+        if not args.only or method in args.only:
+            methods[method] = summary(replay(out, name, tag, **changes))
 
     if table == "table7":
         add("fedbens_m1", "m1", strategy="fedbens", replay_members=1)
@@ -131,6 +132,10 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         # beyond the paper: a run from every uploaded member (C x M modes) instead of M
         # medians; Table 1 only, since its cost grows with (C x M)^2
         add("fedbens_members", "starts_members", strategy="fedbens", fedbens_starts="members")
+    if table in ("table1", "table2"):
+        # 2M runs from the members' K-medoids: the member starts at twice the paper's runs
+        add("fedbens_clustered", "starts_clustered", strategy="fedbens",
+            fedbens_starts="clustered")
     if full:
         add("fedbens_diag_full", "diag_full", strategy="fedbens", hessian_structure="diag_full")
         for method, (changes, _, used) in BASELINES.items():
@@ -203,10 +208,10 @@ def print_tables(rows: list[dict]) -> None:
               "rows; test accuracy %, mean +- sd (seeds) [paper] difference")
         print("| method | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
         print("|---|" + "---|" * len(alphas))
-        methods = ["fedbens", "fedbens_noval", "fedbens_members", "fedbens_diag_full",
-                   *BASELINES]
+        methods = ["fedbens", "fedbens_noval", "fedbens_members", "fedbens_clustered",
+                   "fedbens_diag_full", *BASELINES]
         for norm in ("dataset", "mnist"):
-            for method in methods if norm == "dataset" else methods[:3]:
+            for method in methods if norm == "dataset" else methods[:4]:
                 paper = PAPER.get(method)
                 cells_ = [cell(stats(t1, method, alpha=a, norm=norm),
                                paper[PAPER_ALPHAS.index(a)] if paper else None) for a in alphas]
@@ -245,7 +250,8 @@ def print_tables(rows: list[dict]) -> None:
         counts = sorted({r["clients"] for r in t2})
         print("| method | " + " | ".join(f"C = {c}" for c in counts) + " |")
         print("|---|" + "---|" * len(counts))
-        for method in ["fedbens", "fedbens_noval", "fedbens_diag_full", *BASELINES]:
+        for method in ["fedbens", "fedbens_noval", "fedbens_clustered", "fedbens_diag_full",
+                       *BASELINES]:
             cells_ = [cell(stats(t2, method, clients=c),
                            PAPER_TABLE2.get(c) if method == "fedbens" else None) for c in counts]
             if any(c != "-" for c in cells_):
@@ -272,6 +278,14 @@ def print_against_paper(t1: list[dict], alphas: list[float]) -> None:
         print(f"  member starts against the medians, per cell (both normalisations): better in "
               f"{sum(g > 0 for g in gains)} of {len(gains)}, {min(gains):+.2f} to "
               f"{max(gains):+.2f}, mean {statistics.mean(gains):+.2f} points")
+    for other in ("fedbens", "fedbens_members"):
+        diffs = [100 * (r["methods"]["fedbens_clustered"]["accuracy"]
+                        - r["methods"][other]["accuracy"])
+                 for r in t1 if "fedbens_clustered" in r["methods"] and other in r["methods"]]
+        if diffs:
+            print(f"  clustered starts (2M runs) against {LABELS[other]}, per cell: better in "
+                  f"{sum(d > 0 for d in diffs)} of {len(diffs)}, {min(diffs):+.2f} to "
+                  f"{max(diffs):+.2f}, mean {statistics.mean(diffs):+.2f} points")
 
 
 def print_table7(t7: list[dict]) -> None:
@@ -401,12 +415,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--stage", choices=("all", "live", "replay"), default="all")
+    parser.add_argument("--only", default="",
+                        help="replay only these methods (comma-separated, e.g. "
+                             "fedbens_clustered,fedbens_members); default every one")
     args = parser.parse_args()
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     args.seeds, args.dense_seeds, args.sweep_seeds = (
         ints(args.seeds), ints(args.dense_seeds), ints(args.sweep_seeds))
     args.alphas = [float(a) for a in args.alphas.split(",")]
     args.norms = [n for n in args.norms.split(",") if n]
+    args.only = {m for m in args.only.split(",") if m}
     for norm in args.norms:
         if norm not in NORMS:
             parser.error(f"unknown --norms entry {norm!r}; choose from {', '.join(NORMS)}")

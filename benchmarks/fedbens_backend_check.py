@@ -79,6 +79,7 @@ def main() -> None:
         for validation in (True, False):
             tag = f"{folder.name}-{'val' if validation else 'noval'}"
             result = run_server(Settings(strategy="fedbens", replay=str(folder),
+                                         fedbens_starts="median",
                                          server_validation=validation, server_threads=1,
                                          output_dir=str(run / "backend-check"), run_name=tag))
             accuracy["validation" if validation else "no_validation"] = result["test"]["accuracy"]

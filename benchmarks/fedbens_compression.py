@@ -49,6 +49,7 @@ def main() -> None:
         folder = out / label.replace(" ", "_").replace("(", "").replace(")", "")
         save_uploads(folder, uploads, run_config)
         result = run_server(Settings(strategy="fedbens", replay=str(folder),
+                                     fedbens_starts="median",
                                      output_dir=str(out), run_name=f"replay-{folder.name}",
                                      server_threads=1))
         mb = np.mean([sum(a.nbytes for m in u.members for a in m["curvature.kron"].values())

@@ -15,6 +15,9 @@ server validation rows, seed 0. Stages (each resumable: a finished run is reused
   evaluations, i.e. 60 steps); server time, accuracy, the step it stopped at.
 * ``baselines``: at C = 100, FedAvg, the uniform ensemble of all C x M members, and an
   ensemble at FedBEns' inference cost (member 0 of 5 clients: 5 forward passes, as 5 modes).
+* ``fleet``: the deployment engine, ``scripts/deploy-local.sh --measure`` with 20 SuperNodes
+  on 127.0.0.1 (one FedBEns round, 6,000-sample subset, M = 1, 20 local epochs): wall time,
+  the machine's peak memory, every Flower process's peak RSS, the clients that uploaded.
 * ``tables``: the table, ``benchmarks/results/scale.json`` and ``scale.png`` (server time
   against C on log-log axes with the fitted slope, accuracy beside it).
 
@@ -22,6 +25,7 @@ server validation rows, seed 0. Stages (each resumable: a finished run is reused
     .venv/bin/python benchmarks/scale.py train
     .venv/bin/python benchmarks/scale.py server
     .venv/bin/python benchmarks/scale.py baselines
+    .venv/bin/python benchmarks/scale.py fleet
     .venv/bin/python benchmarks/scale.py tables
 """
 
@@ -36,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, live_run, own_peak_bytes, section_mb
+from common import PAPER_STARTS, REPO, live_run, own_peak_bytes, section_mb
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
@@ -44,7 +48,7 @@ from fedfusion.server_app import run_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "scale.json"
 OUT = REPO / "outputs" / "bench-scale"
-BASE = "strategy=fedbens hessian-structure=kron alpha=0.3 seed=0"
+BASE = f"strategy=fedbens hessian-structure=kron alpha=0.3 seed=0 {PAPER_STARTS}"
 #: upload set -> (clients, members, how its clients ran)
 SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process"),
         "c500_m1_s0": (500, 1, "in-process")}
@@ -124,6 +128,7 @@ def stage_train(results: dict) -> None:
         print(f"training {clients} clients x {members} member(s) in process ...", flush=True)
         settings = Settings.from_mapping({
             "strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
+            "fedbens-starts": "median",
             "num-clients": clients, "num-members": members, "output-dir": str(OUT),
             "run-name": name})
         start = time.perf_counter()
@@ -156,7 +161,8 @@ def stage_server(results: dict) -> None:
             total = SETS[name][0]
             subset = "" if clients == total else "replay-clients='{}'".format(
                 ",".join(map(str, range(clients))))
-            config = (f"server-patience={patience} {subset} output-dir='/tmp/fedfusion-scale' "
+            config = (f"server-patience={patience} {subset} {PAPER_STARTS} "
+                      "output-dir='/tmp/fedfusion-scale' "
                       f"run-name={name}-{clients}-p{patience}")
             code = REPLAY.format(bench=str(REPO / "benchmarks"),
                                  uploads=str(OUT / name / "uploads"), config=config)
@@ -209,6 +215,43 @@ def stage_baselines(results: dict) -> None:
                                            "server_s": round(run["timing"]["server_fuse_s"], 2)}
         print(f"{name}: {run['test']['accuracy']:.4f}", flush=True)
         save(results)
+
+
+#: the deployment engine: SuperNodes on loopback, one FedBEns round (issue 27, item 6)
+FLEET_CLIENTS = 20
+FLEET_CONFIG = (f"strategy=fedbens hessian-structure=kron num-clients={FLEET_CLIENTS} "
+                "train-subset=6000 alpha=1.0 val-size=200 local-epochs=20 num-members=1 "
+                "server-steps=30 server-threads=1")
+
+
+def stage_fleet(results: dict) -> None:
+    """``scripts/deploy-local.sh --measure`` with FLEET_CLIENTS SuperNodes (a SuperLink, the
+    SuperNodes and their ClientApp processes on 127.0.0.1): wall time, the machine's peak
+    memory, the Flower processes' peaks, the clients that uploaded, the accuracy."""
+    from deploy_client import deploy
+    if "fleet" in results:
+        print("reusing the fleet run")
+        return
+    start = time.perf_counter()
+    with MemorySampler() as memory:
+        run, processes, load = deploy(Path("/tmp/fedfusion-fleet"), FLEET_CONFIG, reuse=False)
+    peaks: dict[str, list[float]] = {}
+    for proc in processes["processes"]:
+        peaks.setdefault(proc["program"], []).append(proc["peak_rss_mb"])
+    results["fleet"] = {
+        "supernodes": FLEET_CLIENTS, "run_config": FLEET_CONFIG,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "machine_peak_mb": round(memory.peak), "machine_baseline_mb": round(memory.baseline),
+        "load_average_before_after": load,
+        "clients_uploaded": len(run["clients"]), "excluded": run["excluded"],
+        "test_accuracy": run["test"]["accuracy"],
+        "client_round_s": run["timing"].get("client_round_s"),
+        "server_fuse_s": run["timing"]["server_fuse_s"],
+        "peak_rss_mb_by_program": {k: {"count": len(v), "max": round(max(v)),
+                                       "sum": round(sum(v))} for k, v in peaks.items()},
+    }
+    print(json.dumps(results["fleet"], indent=1))
+    save(results)
 
 
 def loglog_slope(points: list[tuple[float, float]]) -> float:
@@ -294,12 +337,12 @@ def plot(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("stage", choices=("live", "train", "server", "baselines", "tables",
-                                          "all"))
+    parser.add_argument("stage", choices=("live", "train", "server", "baselines", "fleet",
+                                          "tables", "all"))
     args = parser.parse_args()
     results = load()
     stages = {"live": stage_live, "train": stage_train, "server": stage_server,
-              "baselines": stage_baselines, "tables": stage_tables}
+              "baselines": stage_baselines, "fleet": stage_fleet, "tables": stage_tables}
     for name, stage in stages.items():
         if args.stage in (name, "all"):
             stage(results)

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               "local_epochs": args.local_epochs, "train_subset": args.train_subset,
               "output_dir": args.out}
     live = Settings(strategy="fedbens", run_name="live", server_device="cpu",
+                    fedbens_starts="median",
                     extra_sections="curvature.diag,gram", **common)
     start = time.perf_counter()
     run_server(live, InProcessGrid(live))
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for strategy in STRATEGIES:
         for device in ("cpu", "cuda"):
             settings = Settings(strategy=strategy, replay=uploads, server_device=device,
+                                fedbens_starts="median",
                                 server_threads=os.cpu_count() or 1,
                                 run_name=f"{strategy}-{device}", output_dir=args.out)
             results = run_server(settings)

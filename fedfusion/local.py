@@ -18,8 +18,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -80,13 +80,17 @@ class LocalGrid(Grid):
             for i, node in enumerate(self.node_ids)}
         self._ids = itertools.count()
 
+    #: replies are yielded one by one, as a streaming grid's
+    #: (:class:`~fedfusion.strategies.streaming.StreamingGrid`)
+    streams_replies: ClassVar[bool] = True
+
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
-                         ) -> list[Message]:
+                         ) -> Iterator[Message]:
         """Run each addressed node's ClientApp, one after another, each in a worker thread
-        given ``timeout`` seconds of its own (a real grid's nodes work in parallel): a node
-        that has not replied by then is left behind, as a real grid stops waiting for it (its
-        thread finishes, or hangs, in the background; its reply is dropped)."""
-        replies = []
+        given ``timeout`` seconds of its own (a real grid's nodes work in parallel), and
+        yield its reply as it comes: a node that has not replied by then is left behind, as
+        a real grid stops waiting for it (its thread finishes, or hangs, in the background;
+        its reply is dropped)."""
         for msg in messages:
             node = msg.metadata.dst_node_id
             index = self.node_ids.index(node)
@@ -98,8 +102,7 @@ class LocalGrid(Grid):
             if worker.is_alive() or not outcome:
                 continue  # too late: the grid stopped waiting for this node
             reply = outcome[0]
-            replies.append(self.tamper(index, reply) if self.tamper else reply)
-        return replies
+            yield self.tamper(index, reply) if self.tamper else reply
 
     def _run_node(self, msg: Message, node: int, index: int, outcome: list[Message]) -> None:
         try:

@@ -36,7 +36,7 @@ from fedfusion.datasets import load_dataset
 from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.predictors import save_predictor
 from fedfusion.strategies.screening import capped_reason
-from fedfusion.upload_store import load_uploads, make_folder, open_no_follow, save_uploads
+from fedfusion.upload_store import UploadWriter, load_uploads, make_folder, open_no_follow
 from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
@@ -185,8 +185,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     use_val = settings.server_validation and len(bundle.val) > 0
     sink = None
     if uploads is None and settings.save_uploads and settings.num_rounds == 1:
-        def sink(ups: list[ClientUpload]) -> None:
-            save_uploads(folder / "uploads", ups, settings.to_mapping())
+        # each upload on disk as it arrives, the manifest before fusion
+        sink = UploadWriter(folder / "uploads", settings.to_mapping())
     strategy = build_strategy(settings, spec, bundle.val if use_val else None, device,
                               upload_sink=sink)
     context = strategy.context

@@ -117,22 +117,33 @@ def open_no_follow(path: str | Path) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
-                 run_config: dict[str, Any]) -> Path:
-    """Write ``uploads`` to ``directory`` (created, or an existing real folder; a symlink in
-    its place, or at any file written, is refused with ``OSError``). Each client's file is
-    named by its client id, so two uploads of one id are refused (``ValueError``, before
-    anything is written) rather than one overwriting the other; the manifest keeps each
-    upload's node id and claimed id (:data:`OPTIONAL_ENTRY_FIELDS`)."""
-    ids = [upload.client_id for upload in uploads]
-    twice = sorted({i for i in ids if ids.count(i) > 1})
-    if twice:
-        raise ValueError(f"uploads of client id(s) {twice} appear more than once; each "
-                         "client's file would overwrite another's")
-    directory = make_folder(directory)
-    clients = []
-    for upload in uploads:
-        file = f"client_{upload.client_id}.npz"
+class UploadWriter:
+    """Writes uploads into ``directory`` as they arrive, then a round's manifest.
+
+    :meth:`write` stores one upload's arrays at once (``node_<node id>.npz``, or
+    ``upload_<n>.npz`` without a node: its client id may still change); calling the writer
+    with the round's uploads (it is an ``upload_sink``, :class:`~fedfusion.strategies.fusion.
+    Fusion`) renames each to ``client_<final id>.npz`` (writing those not written yet),
+    writes the manifest, and removes the files of uploads written but not in the round
+    (excluded after they arrived). The folder is created on the first
+    write (or an existing real folder; a symlink in its place, or at any file written, is
+    refused with ``OSError``). Two uploads of one client id are refused (``ValueError``,
+    before anything more is written)."""
+
+    def __init__(self, directory: str | Path, run_config: dict[str, Any]):
+        self.directory = Path(directory)
+        self.run_config = run_config
+        #: (upload, its file) of what was written this round, in arrival order
+        self._written: list[tuple[ClientUpload, str]] = []
+
+    def write(self, upload: ClientUpload, file: str | None = None) -> str:
+        """Write ``upload``'s arrays (to ``file`` in the folder); return the file name."""
+        if file is None:
+            file = (f"node_{upload.node_id}.npz" if upload.node_id is not None
+                    else f"upload_{len(self._written)}.npz")
+        if any(name == file for _, name in self._written):
+            raise ValueError(f"{file} was already written this round")
+        directory = make_folder(self.directory)
         with open_no_follow(directory / file) as handle:
             np.savez(handle, **{
                 f"m{m}/{section}/{name}": array
@@ -140,18 +151,47 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
                 for section, arrays in member.items()
                 for name, array in arrays.items()
             })
-        clients.append({
-            "client_id": upload.client_id, "file": file, "model": upload.model,
-            "model_kwargs": upload.model_kwargs, "num_examples": upload.num_examples,
-            "num_members": upload.num_members, "metrics": upload.metrics,
-            "node_id": upload.node_id, "claimed_client_id": upload.claimed_client_id,
+        self._written.append((upload, file))
+        return file
+
+    def __call__(self, uploads: Sequence[ClientUpload]) -> Path:
+        ids = [upload.client_id for upload in uploads]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ValueError(f"uploads of client id(s) {twice} appear more than once; each "
+                             "client's file would overwrite another's")
+        arrived = {id(upload): file for upload, file in self._written}
+        for upload in uploads:
+            file = f"client_{upload.client_id}.npz"
+            if id(upload) in arrived:  # on disk since it arrived: named by its final id now
+                os.replace(self.directory / arrived.pop(id(upload)), self.directory / file)
+            else:
+                self.write(upload, file)
+        for file in arrived.values():  # arrived, then excluded from the round
+            (self.directory / file).unlink(missing_ok=True)
+        self._written = []
+        clients = [{
+            "client_id": upload.client_id, "file": f"client_{upload.client_id}.npz",
+            "model": upload.model, "model_kwargs": upload.model_kwargs,
+            "num_examples": upload.num_examples, "num_members": upload.num_members,
+            "metrics": upload.metrics, "node_id": upload.node_id,
+            "claimed_client_id": upload.claimed_client_id,
             "client_id_source": upload.client_id_source,
-        })
-    manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-                "run_config": run_config, "clients": clients}
-    with open_no_follow(directory / MANIFEST) as handle:
-        handle.write(json.dumps(manifest, indent=1).encode())
-    return directory
+        } for upload in uploads]
+        manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+                    "run_config": self.run_config, "clients": clients}
+        directory = make_folder(self.directory)
+        with open_no_follow(directory / MANIFEST) as handle:
+            handle.write(json.dumps(manifest, indent=1).encode())
+        return directory
+
+
+def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
+                 run_config: dict[str, Any]) -> Path:
+    """Write ``uploads`` to ``directory`` at once (:class:`UploadWriter`): one
+    ``client_<id>.npz`` per upload and the manifest, which keeps each upload's node id and
+    claimed id (:data:`OPTIONAL_ENTRY_FIELDS`)."""
+    return UploadWriter(directory, run_config)(uploads)
 
 
 def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES, *,

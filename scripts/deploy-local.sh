@@ -246,19 +246,31 @@ fi
 echo "+ flwr run $APP_DIR local-deploy --stream ${RUN_CONFIG_ARGS[*]}"
 # in the background, so that a TERM/INT reaches the trap at once and a SuperNode that dies
 # fails the run here instead of after the timeout (the ServerApp would wait for it)
+RUN_DEADLINE=$((SECONDS + TIMEOUT))
 timeout "$TIMEOUT" flwr run "$APP_DIR" local-deploy --stream "${RUN_CONFIG_ARGS[@]}" &
 RUN_PID=$!
 started "$RUN_PID" flwr-run
-while alive "$RUN_PID"; do
+nodes_alive() {
   for i in "${!NODE_PIDS[@]}"; do
     alive "${NODE_PIDS[$i]}" || fail "SuperNode $i exited during the run:" \
       "$(tail -5 "$WORK/logs/supernode-$i.log")"
   done
+}
+while alive "$RUN_PID"; do
+  nodes_alive
   sleep 0.5
 done
 rc=0
 wait "$RUN_PID" || rc=$?
 [ "$rc" -ne 124 ] || fail "the run did not finish within $TIMEOUT s"
 [ "$rc" -eq 0 ] || fail "flwr run exited $rc"
+# `flwr run --stream` can return while the run goes on: its log stream gives up when the
+# SuperLink answers slowly (20 SuperNodes starting their ClientApps at once on 2 cores).
+# The run ends when its ServerApp process does.
+while helper serverapp-running "$FLWR_HOME"; do
+  [ "$SECONDS" -lt "$RUN_DEADLINE" ] || fail "the run did not finish within $TIMEOUT s"
+  nodes_alive
+  sleep 1
+done
 helper check "$RESULTS" --clients "$NUM_CLIENTS"
 echo "deploy-local: work dir $WORK (logs/, outputs/)"

@@ -270,6 +270,11 @@ def processes_under(flwr_home: str | os.PathLike[str]) -> list[ProcessInfo]:
     return sorted(found, key=lambda p: p.pid)
 
 
+def _is_serverapp(process: ProcessInfo) -> bool:
+    """A ServerApp process (``flwr-serverapp``, run as a script or by its entry point)."""
+    return any(Path(arg).name == "flwr-serverapp" for arg in process.argv[:2])
+
+
 def stop(pids: Sequence[int], flwr_home: str | None = None, grace_s: float = 10.0) -> None:
     """Stop the process trees under ``pids`` (the script's own children), then, with
     ``flwr_home``, whatever still runs under it: a process whose parent died before the
@@ -435,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flwr-home", default=None, help="then what still runs under FLWR_HOME")
     p = sub.add_parser("leftovers", help="live processes under FLWR_HOME; exit 1 if any")
     p.add_argument("flwr_home")
+    p = sub.add_parser("serverapp-running",
+                       help="exit 0 while a flwr-serverapp process runs under FLWR_HOME")
+    p.add_argument("flwr_home")
     p = sub.add_parser("watch", help="memory and CPU of the Flower processes until SIGTERM")
     p.add_argument("flwr_home")
     p.add_argument("out", type=Path)
@@ -469,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         left = processes_under(args.flwr_home)
         _lines(f"{p.pid} {' '.join(p.argv)}" for p in left)
         return 1 if left else 0
+    elif args.command == "serverapp-running":
+        return 0 if any(_is_serverapp(p) for p in processes_under(args.flwr_home)) else 1
     elif args.command == "watch":
         watch(args.flwr_home, args.out, args.interval)
     elif args.command == "check":

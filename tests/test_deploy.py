@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
+from deploy_tools import main as deploy_tools_main
 from deploy_tools import (
     plan_run,
     processes_under,
@@ -371,3 +372,32 @@ def test_the_run_config_handed_to_flwr_run(tmp_path, monkeypatch):
         plan_run("fedavg", None, tmp_path, "y")
     with pytest.raises(ValueError, match="largest-client-first=true is for simulations only"):
         plan_run("largest-client-first=true", None, tmp_path, "y")
+
+
+def test_serverapp_running_sees_only_a_serverapp_under_its_flwr_home(tmp_path):
+    """What the script waits on after `flwr run --stream` returns: a ``flwr-serverapp``
+    process carrying its FLWR_HOME (a ClientApp, or a ServerApp of another home, is not)."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir(), other.mkdir()
+    for name in ("flwr-serverapp", "flwr-clientapp"):
+        (tmp_path / name).write_text("import time\ntime.sleep(60)\n")
+
+    def start(name: str, flwr_home: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(tmp_path / name)],
+                                env={**os.environ, "FLWR_HOME": str(flwr_home)})
+
+    procs = [start("flwr-clientapp", home), start("flwr-serverapp", other)]
+    try:
+        assert deploy_tools_main(["serverapp-running", str(home)]) == 1
+        procs.append(start("flwr-serverapp", home))
+        deadline = time.monotonic() + 10
+        while deploy_tools_main(["serverapp-running", str(home)]) != 0:
+            assert time.monotonic() < deadline, "the ServerApp process was not seen"
+            time.sleep(0.1)
+        procs[-1].terminate()
+        procs[-1].wait()
+        assert deploy_tools_main(["serverapp-running", str(home)]) == 1
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

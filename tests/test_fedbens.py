@@ -17,14 +17,16 @@ from fedfusion.wire import ClientUpload
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
 
-def tiny_upload(client_id: int, structure: str, seed: int, members: int = 1) -> ClientUpload:
-    """A trained tiny MLP client with real laplace-torch curvature."""
+def tiny_upload(client_id: int, structure: str, seed: int, members: int = 1,
+                broadcast_inits: bool = False) -> ClientUpload:
+    """A trained tiny MLP client with real laplace-torch curvature; member m starts from an
+    init of its own, or (``broadcast_inits``) from init m shared by every client."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(120, 1, 4, 4, generator=g)
     y = (x.flatten(1)[:, :3].argmax(1) + seed) % 3
     out = []
     for m in range(members):
-        torch.manual_seed(seed * 10 + m)
+        torch.manual_seed(1000 + m if broadcast_inits else seed * 10 + m)
         net = TINY.build()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for _ in range(100):
@@ -123,7 +125,8 @@ def test_pruned_and_full_mixture_give_the_same_modes():
     modes = {}
     for margin in (50.0, 0.0):
         strategy = FedBEns(TINY, num_clients=2, steps=40, lr=0.01, eval_every=10,
-                           prune_margin=margin, refresh_every=5, dtype=torch.float64)
+                           prune_margin=margin, refresh_every=5, dtype=torch.float64,
+                           starts="median")
         stacked, owner = strategy.build_posterior(uploads)
         modes[margin] = strategy.optimise(strategy.starting_points(uploads), stacked, owner, 2)
         if margin:  # the tiny members are > 50 nats apart: one member per client is evaluated
@@ -135,7 +138,7 @@ def test_pruned_and_full_mixture_give_the_same_modes():
 
 def test_starting_point_is_the_per_parameter_median():
     uploads = [tiny_upload(c, "diag", seed=c, members=1) for c in range(3)]
-    (start,) = FedBEns(TINY, num_clients=3).starting_points(uploads)
+    (start,) = FedBEns(TINY, num_clients=3, starts="median").starting_points(uploads)
     for name, value in start.items():
         stacked = np.stack([u.weights(0)[name] for u in uploads])
         np.testing.assert_array_equal(value, np.sort(stacked, axis=0)[1])
@@ -174,7 +177,7 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     for member, mode in zip(fused.members, modes, strict=True):
         for name, weight in member.state_dict().items():
             torch.testing.assert_close(weight.double(), mode[name].double(), rtol=0, atol=1e-6)
-    one = FedBEns(TINY, num_clients=3, modes=1, steps=5)
+    one = FedBEns(TINY, num_clients=3, starts="median", modes=1, steps=5)
     (start,) = one.starting_points(uploads)  # the members-0 median only
     for name, value in start.items():
         np.testing.assert_array_equal(value, np.median([u.weights(0)[name] for u in uploads], 0))
@@ -197,13 +200,15 @@ def test_auto_starts_are_the_means_with_batchnorm_and_the_medians_without(name, 
         k: (v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v).numpy()
         for k, v in base.items()}}]) for c in range(3)]
     auto = FedBEns(spec, num_clients=3, starts="auto")
-    (start,) = auto.starting_points(uploads)
-    (expected,) = FedBEns(spec, num_clients=3, starts=rule).starting_points(uploads)
+    starts = auto.starting_points(uploads)
+    expected = FedBEns(spec, num_clients=3, starts=rule).starting_points(uploads)
     (other,) = FedBEns(spec, num_clients=3, starts={"mean": "median", "median": "mean"}[rule]
                        ).starting_points(uploads)
-    for key, value in expected.items():
-        np.testing.assert_array_equal(start[key], value)
-    assert any(not np.array_equal(start[k], other[k]) for k in start)  # the rules differ here
+    assert len(starts) == len(expected) == 1
+    for start, wanted in zip(starts, expected, strict=True):
+        for key, value in wanted.items():
+            np.testing.assert_array_equal(start[key], value)
+    assert any(not np.array_equal(starts[0][k], other[k]) for k in other)  # rules differ here
     assert auto.report()["starts"] == rule
 
 

@@ -267,7 +267,8 @@ def test_fedbens_objective_stays_finite_at_the_caps(eigenvalue, finite):
     1e20, the value the caps refuse, it is NaN."""
     uploads = [kron_upload(0, MAX_ABS_WEIGHT, eigenvalue), kron_upload(1, -MAX_ABS_WEIGHT,
                                                                        eigenvalue, seed=1)]
-    strategy = FedBEns(TINY, num_clients=2, temperature=0.01, prior_var=0.1, device="cpu")
+    strategy = FedBEns(TINY, num_clients=2, temperature=0.01, prior_var=0.1, device="cpu",
+                       starts="median")  # the median start: midway between the corners
     stacked, owner = strategy.build_posterior(uploads)
     for point in [uploads[0].weights(0), *strategy.starting_points(uploads)]:
         w = {k: torch.tensor(v)[None] for k, v in point.items()}

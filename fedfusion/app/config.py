@@ -102,6 +102,7 @@ class Settings:
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     fedbens_starts: str = "auto"
+    fedbens_num_starts: int = 0
     fedbens_modes: int = 0
     # FedBEns' baselines (issue 5)
     fedfisher_steps: int = 2000
@@ -184,7 +185,7 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be >= 1")
         for key in ("val-size", "train-subset", "local-epochs", "min-samples", "curvature-rank",
                     "server-steps", "server-steps-noval", "replay-members", "fedbens-modes",
-                    "server-threads", "server-patience"):
+                    "server-threads", "server-patience", "fedbens-num-starts"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")
         if self.alpha <= 0:
@@ -408,7 +409,7 @@ STRATEGY_KEYS: dict[str, dict[str, str]] = {
                 "eval_every": "server-eval-every", "patience": "server-patience",
                 "prune_margin": "mixture-prune-margin",
                 "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
-                "modes": "fedbens-modes"},
+                "num_starts": "fedbens-num-starts", "modes": "fedbens-modes"},
     "fedfisher": {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",
                   "lr": "fedfisher-lr", "eval_every": "fedfisher-eval-every"},
     "pfnm": {"sigma": "pfnm-sigma", "sigma0": "pfnm-sigma0", "gamma": "pfnm-gamma",

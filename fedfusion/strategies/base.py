@@ -48,6 +48,7 @@ from fedfusion.strategies.identity import (
     read_client_registry,
 )
 from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
+from fedfusion.strategies.streaming import StreamingGrid
 from fedfusion.wire import ClientUpload, UploadError, decode_upload, encode_models
 
 log = logging.getLogger("fedfusion")
@@ -189,6 +190,8 @@ class FusionStrategy(Fusion, Strategy):
         elif initial_arrays and not all("/" in key for key in initial_arrays):
             # a plain Flower ArrayRecord(model.state_dict()): one model, member 0
             initial_arrays = encode_models([{k: a.numpy() for k, a in initial_arrays.items()}])
+        if not getattr(grid, "streams_replies", False):
+            grid = StreamingGrid(grid)
         result = super().start(grid, initial_arrays, num_rounds,
                                timeout=self.round_timeout if timeout is None else timeout,
                                train_config=train_config, evaluate_config=evaluate_config,
@@ -254,12 +257,14 @@ class FusionStrategy(Fusion, Strategy):
         SuperLink (``src_node_id`` 1), not from the node. Every sent node gives exactly one
         outcome: an upload, or one exclusion with its reason (a client error, a lost node,
         an expired message, an invalid upload, or no reply)."""
-        round_seconds: float | None = None
-        if self._sent_at is not None:
-            round_seconds = time.perf_counter() - self._sent_at
-            self.client_round_seconds += round_seconds
-            self._sent_at = None
+        sent_at, self._sent_at = self._sent_at, None
+
+        def elapsed() -> float | None:
+            # replies stream in (StreamingGrid): the round lasts until the last one
+            return None if sent_at is None else time.perf_counter() - sent_at
+
         sent = {md.message_id: md.dst_node_id for md in self._sent_metadata if md.message_id}
+        store = getattr(self.upload_sink, "write", None)
         valid: list[ClientUpload] = []
         replied: set[int] = set()
         for reply in replies:
@@ -278,7 +283,7 @@ class FusionStrategy(Fusion, Strategy):
                 continue
             replied.add(node)
             if reply.has_error():
-                reason, detail = self._error_reason(reply, round_seconds)
+                reason, detail = self._error_reason(reply, elapsed())
                 self.exclude(server_round, f"node {node}", reason, detail=detail)
                 continue
             try:
@@ -292,7 +297,16 @@ class FusionStrategy(Fusion, Strategy):
             log.info("[%s] round %d: node %d (claims client %d): %d member(s), %d examples, "
                      "%.2f MB", self.name, server_round, node, upload.client_id,
                      upload.num_members, upload.num_examples, upload.nbytes / 1e6)
+            if store is not None:
+                try:  # on disk as it arrives; a failed write is retried with the round's
+                    store(upload)
+                except OSError as exc:
+                    log.warning("[%s] round %d: node %d's upload not stored yet: %s",
+                                self.name, server_round, node, exc)
             valid.append(upload)
+        round_seconds = elapsed()
+        if round_seconds is not None:
+            self.client_round_seconds += round_seconds
         for node in self._sent_to:
             if node not in replied:
                 self.exclude(server_round, f"node {node}", self._silence_reason(round_seconds))

@@ -25,6 +25,7 @@ per-member sample-weighted averages instead of the medians (``starts="auto"``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -45,12 +46,14 @@ from fedfusion.normalization import has_running_stats
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
+from fedfusion.strategies.starts import clustered_starts, per_index_starts
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 #: where FedBEns' server runs start (see ``starts``)
-STARTS = ("auto", "median", "mean", "members")
+STARTS = ("auto", "median", "mean", "members", "clustered")
+#: ``starts="clustered"`` with ``num_starts=0`` runs this many times max_c M_c runs
+CLUSTERED_RUNS_PER_MEMBER = 2
 
 log = logging.getLogger("fedfusion")
 
@@ -87,7 +90,7 @@ class FedBEns(FusionStrategy):
         refreshes (0 = evaluate every member at every step).
     refresh_every : int, default 10
         Steps between full re-evaluations of all members.
-    starts : {"auto", "median", "mean", "members"}, default "auto"
+    starts : {"auto", "median", "mean", "members", "clustered"}, default "auto"
         Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run
         r at the per-parameter median over clients of member r. ``"mean"``: run r at the
         sample-weighted average of member r (FedAvg of member r); for BatchNorm networks,
@@ -97,9 +100,17 @@ class FedBEns(FusionStrategy):
         ``"median"`` otherwise (measured on the real-models benchmark, docs/strategies.md).
         ``"members"``: one run from every uploaded member (sum_c M_c runs, C times the server
         work), so the ensemble holds the modes nearest each client's own solutions.
+        ``"clustered"``: ``num_starts`` runs from the weighted K-medoids of the members in
+        parameter space (:func:`~fedfusion.strategies.starts.clustered_starts`), the
+        member starts at a bounded cost (on the paper's C = 5 splits as good as the member
+        starts, at 1.8x the paper's server cost; from C = 10 no better than the medians, at
+        1.6-2.5x: benchmarks/README.md, "FedBEns' starts").
+    num_starts : int, default 0
+        K, the runs of ``starts="clustered"``; 0 = 2 max_c M_c (twice the paper's runs).
     modes : int, default 0
-        Keep only the first ``modes`` runs (0 = all): ``modes=1`` predicts with the single
-        mode from the members-0 median, as the paper's Table 7 returns one model.
+        Keep only the first ``modes`` runs (0 = all): with ``starts="median"``, ``modes=1``
+        predicts with the single mode from the members-0 median, as the paper's Table 7
+        returns one model (with ``"clustered"``: the run from the heaviest cluster).
     dtype : torch.dtype, default torch.float32
         Precision of the server optimisation.
     """
@@ -123,6 +134,7 @@ class FedBEns(FusionStrategy):
         prune_margin: float = 50.0,
         refresh_every: int = 10,
         starts: str = "auto",
+        num_starts: int = 0,
         modes: int = 0,
         dtype: torch.dtype = torch.float32,
         **kwargs: Any,
@@ -135,9 +147,12 @@ class FedBEns(FusionStrategy):
             raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
         if patience < 0:
             raise ValueError(f"patience must be >= 0 (0 = run every step), got {patience}")
+        if num_starts < 0:
+            raise ValueError(f"num_starts must be >= 0 (0 = {CLUSTERED_RUNS_PER_MEMBER} x "
+                             f"the members per client), got {num_starts}")
         if modes < 0:
             raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
-        self.starts, self.modes = starts, modes
+        self.starts, self.num_starts, self.modes = starts, num_starts, modes
         # without a validation set the last (best-objective) iterate is kept, so the run
         # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
         steps = steps if self.context.val is not None else steps_noval
@@ -177,29 +192,26 @@ class FedBEns(FusionStrategy):
         """The ``starts`` rule in force: ``"auto"`` resolved against the model."""
         if self.starts != "auto":
             return self.starts
-        return "mean" if has_running_stats(self.context.model_spec.build()) else "median"
+        return "mean" if self._has_running_stats else "median"
+
+    @functools.cached_property
+    def _has_running_stats(self) -> bool:
+        return has_running_stats(self.context.model_spec.build())
 
     def starting_points(self, uploads: Sequence[ClientUpload]) -> list[dict[str, np.ndarray]]:
-        """Run r starts at the per-parameter median (``starts="median"``) or sample-weighted
-        average (``"mean"``) over the clients that have member r (the buffers at their
-        sample-weighted average), or (``"members"``) at each uploaded member."""
+        """The runs' starting points under :meth:`start_rule` (:mod:`~.starts`), the first
+        ``modes`` of them where ``modes`` is set."""
         rule = self.start_rule()
-        if rule == "members":
-            return [u.weights(m) for u in uploads for m in range(u.num_members)][
-                : self.modes or None]
-        runs = max(u.num_members for u in uploads)
         parameters = set(self.context.model_spec.param_shapes().parameters)
-        starts = []
-        for r in range(min(runs, self.modes) if self.modes else runs):
-            holders = [u for u in uploads if u.num_members > r]
-            # buffers (running statistics) are not optimised: the sample-weighted average
-            start = weighted_average([u.weights(r) for u in holders],
-                                     [u.num_examples for u in holders])
-            if rule == "median":
-                start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
-                                              axis=0) for name in parameters})
-            starts.append(start)
-        return starts
+        per_client = max(u.num_members for u in uploads)
+        if rule == "members":
+            starts = clustered_starts(uploads, parameters, sum(u.num_members for u in uploads))
+        elif rule == "clustered":
+            k = self.num_starts or CLUSTERED_RUNS_PER_MEMBER * per_client
+            starts = clustered_starts(uploads, parameters, k)
+        else:
+            starts = per_index_starts(uploads, parameters, per_client, rule)
+        return starts[: self.modes or None]
 
     # ------------------------------------------------------------------ fusion
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
@@ -222,7 +234,8 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
-                "starts": self.start_rule(), "modes": self.modes,
+                "starts": self.start_rule(), "num_starts": self.num_starts,
+                "modes": self.modes,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},

@@ -109,7 +109,9 @@ FUSION_PARAMETERS = """
         recorded (:attr:`capped_claims`) (honest partitions measured at most 2.4x; 0 = off).
     upload_sink : callable, optional
         Called with each round's valid uploads before they are fused, so they are kept even
-        if fusion fails (e.g. ``fedfusion.upload_store.save_uploads`` to a folder).
+        if fusion fails (e.g. a ``fedfusion.upload_store.UploadWriter`` of a folder). A
+        sink with a ``write(upload)`` method (the ``UploadWriter``) is also given each valid
+        upload as its reply arrives.
 """
 
 
