@@ -47,7 +47,7 @@ from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.server_optim import ServerOptimiser
-from fedfusion.strategies.starts import clustered_starts, per_index_starts
+from fedfusion.strategies.starts import clustered_starts, member_starts, per_index_starts
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 #: where FedBEns' server runs start (see ``starts``)
@@ -205,12 +205,13 @@ class FedBEns(FusionStrategy):
         parameters = set(self.context.model_spec.param_shapes().parameters)
         per_client = max(u.num_members for u in uploads)
         if rule == "members":
-            starts = clustered_starts(uploads, parameters, sum(u.num_members for u in uploads))
+            starts = member_starts(uploads)
         elif rule == "clustered":
             k = self.num_starts or CLUSTERED_RUNS_PER_MEMBER * per_client
             starts = clustered_starts(uploads, parameters, k)
-        else:
-            starts = per_index_starts(uploads, parameters, per_client, rule)
+        else:  # only the runs that are kept
+            runs = min(per_client, self.modes) if self.modes else per_client
+            starts = per_index_starts(uploads, parameters, runs, rule)
         return starts[: self.modes or None]
 
     # ------------------------------------------------------------------ fusion

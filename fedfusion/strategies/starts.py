@@ -110,10 +110,15 @@ def weighted_medoids(distances: np.ndarray, weights: np.ndarray, k: int) -> list
     return [medoids[i] for i in sorted(range(k), key=lambda i: (-mass[i], medoids[i]))]
 
 
+def member_starts(uploads: Sequence[ClientUpload]) -> list[NumpyDict]:
+    """Every uploaded member, in upload order."""
+    return [u.weights(m) for u in uploads for m in range(u.num_members)]
+
+
 def clustered_starts(uploads: Sequence[ClientUpload], parameters: Sequence[str],
                      k: int) -> list[NumpyDict]:
     """The weighted K-medoids of all uploaded members (``k`` >= their number: every member)."""
-    members = [u.weights(m) for u in uploads for m in range(u.num_members)]
+    members = member_starts(uploads)
     if k >= len(members):
         return members
     medoids = weighted_medoids(squared_distances(members, sorted(parameters)),
