@@ -5,7 +5,9 @@ server validation rows, seed 0. Stages (each resumable: a finished run is reused
 
 * ``live``: one ``flwr run`` of FedBEns with C = 100 clients, M = 5 (Ray backend, 2 actors),
   its uploads saved; wall time, the machine's memory in use (MemTotal - MemAvailable, sampled
-  every 0.5 s, with the baseline before the launch), the server's fusion time, accuracy.
+  every 0.5 s, with the baseline before the launch), the ServerApp process's peak (the
+  ``flwr-simulation`` process's ``VmHWM``), the server's fusion time, accuracy. The set
+  ``c100_m5_s0_streamed`` is the same run made again once replies streamed as they arrive.
 * ``train``: clients that really train, in this process (the App's ClientApp on an
   :class:`~fedfusion.app.inprocess.InProcessGrid`, no Ray) at C = 200 (M = 2) and C = 500
   (M = 1), uploads saved: Ray's per-client overhead is not what this measures.
@@ -51,7 +53,9 @@ OUT = REPO / "outputs" / "bench-scale"
 BASE = f"strategy=fedbens hessian-structure=kron alpha=0.3 seed=0 {PAPER_STARTS}"
 #: upload set -> (clients, members, how its clients ran)
 SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process"),
-        "c500_m1_s0": (500, 1, "in-process")}
+        "c500_m1_s0": (500, 1, "in-process"),
+        # the same run again after replies were streamed to the strategy and to disk
+        "c100_m5_s0_streamed": (100, 5, "flwr run")}
 #: server cells: (upload set, clients replayed)
 CELLS = [("c100_m5_s0", c) for c in (5, 10, 20, 40, 100)] + [("c200_m2_s0", 200),
                                                              ("c500_m1_s0", 500)]
@@ -64,17 +68,36 @@ def machine_used_mb() -> float:
     return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) / 1024
 
 
+def simulation_peak_mb() -> float:
+    """The largest ``VmHWM`` of the running ``flwr-simulation`` processes (the ServerApp's
+    process in a simulation; Ray's actors are others), MB; 0 when none runs."""
+    peak = 0.0
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"flwr-simulation" not in (proc / "cmdline").read_bytes():
+                continue
+            status = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peak = max(peak, int(line.split()[1]) / 1024)
+    return peak
+
+
 class MemorySampler:
     """The peak of :func:`machine_used_mb` while the ``with`` block runs."""
 
     def __init__(self, interval: float = 0.5) -> None:
         self.interval, self.peak, self.baseline = interval, 0.0, machine_used_mb()
+        self.serverapp_peak = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, machine_used_mb())
+            self.serverapp_peak = max(self.serverapp_peak, simulation_peak_mb())
             self._stop.wait(self.interval)
 
     def __enter__(self) -> MemorySampler:
@@ -106,19 +129,24 @@ def record_set(results: dict, name: str, run: dict, how: str, wall: float,
                                       * members, 3),
         **({"machine_peak_mb": round(memory.peak), "machine_baseline_mb": round(
             memory.baseline)} if memory else {}),
+        **({"serverapp_peak_mb": round(memory.serverapp_peak)}
+           if memory and memory.serverapp_peak else {}),
     }
     save(results)
 
 
 def stage_live(results: dict) -> None:
-    name = "c100_m5_s0"
-    if name in results["sets"]:
-        print(f"reusing {name}")
-        return
-    start = time.perf_counter()
-    with MemorySampler() as memory:
-        run = live_run(f"{BASE} num-clients=100 num-members=5", str(OUT), name)
-    record_set(results, name, run, "flwr run", time.perf_counter() - start, memory)
+    for name, (clients, members, how) in SETS.items():
+        if how != "flwr run":
+            continue
+        if name in results["sets"]:
+            print(f"reusing {name}")
+            continue
+        start = time.perf_counter()
+        with MemorySampler() as memory:
+            run = live_run(f"{BASE} num-clients={clients} num-members={members}", str(OUT),
+                           name)
+        record_set(results, name, run, "flwr run", time.perf_counter() - start, memory)
 
 
 def stage_train(results: dict) -> None:

@@ -1,15 +1,25 @@
-"""The server's fusion on the CPU against the GPU, from the same client uploads.
+"""FedBEns' server on the CPU against the GPU at C = 5, 40 and 100 (issue 27, item 5).
 
-One in-process federation (no Ray: the App's InProcessGrid) trains the clients once and
-keeps their uploads (weights, Kron, diag and Gram sections); every strategy then replays them
-with ``server-device=cpu`` and ``server-device=cuda``: fuse time, evaluation time and test
-accuracy side by side. The server's cost depends on the number and size of the uploads, not
-on local epochs, so ``--local-epochs`` may be small to save client time (accuracy is then
-lower than in the paper's setting).
+The uploads are the C = 100, M = 5 set of ``benchmarks/scale.py`` (FMNIST, LeNet, Kron,
+Dirichlet alpha 0.3, 20 local epochs, seed 0: ``outputs/bench-scale/c100_m5_s0/uploads``).
+Where that folder is absent (a lent GPU machine starts bare) the clients are trained on the
+spot with the same settings, by ``--workers`` processes that each run the App's ClientApp for
+their share of the clients (:class:`~fedfusion.app.inprocess.InProcessGrid`; the other
+clients' nodes fail in that process and are left out of its round).
 
-    python benchmarks/server_device.py [--local-epochs 2] [--out DIR]
+Each cell fuses the first C clients' uploads (as ``scale.py``'s server stage does) with the
+library's ``FedBEns`` (the paper's median starts, 300 Adam steps, the 500-row validation set)
+on ``cpu`` (every core) and on ``cuda``, in this process, after a warm-up fusion on each
+device: the fusion's time and its phases (stacking the posterior, the starts, the
+optimisation), and the test accuracy of the fused ensemble; the GPU both with its steps as
+CUDA graphs (the default) and eager. ``--clustered`` adds the GPU with
+``fedbens-starts=clustered``; ``--profile`` ``torch.profiler``'s table of 20 optimiser steps
+at the largest C on the GPU.
 
-Prints a table and saves ``benchmarks/results/server_device.json``.
+    python benchmarks/server_device.py [--cells 5,40,100] [--workers N] [--clustered] [--profile]
+
+Prints a table and saves ``benchmarks/results/server_device.json``. Without a CUDA device it
+measures the CPU alone and says so.
 """
 
 from __future__ import annotations
@@ -17,72 +27,205 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedfusion.app.config import Settings  # noqa: E402
-from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
-from fedfusion.server_app import run_server  # noqa: E402
+from fedfusion.app.config import Settings, build_strategy, default_model  # noqa: E402
+from fedfusion.app.federation import federated_split  # noqa: E402
+from fedfusion.architecture import ModelSpec  # noqa: E402
+from fedfusion.evaluation import evaluate  # noqa: E402
+from fedfusion.upload_store import load_uploads  # noqa: E402
+from fedfusion.wire import ClientUpload  # noqa: E402
 
-STRATEGIES = ("fedbens", "fedfisher", "regmean", "fisher-merge", "otfusion", "ensemble")
+RESULTS = REPO / "benchmarks" / "results" / "server_device.json"
+UPLOADS = REPO / "outputs" / "bench-scale" / "c100_m5_s0" / "uploads"
+#: the upload set's run config (benchmarks/scale.py's "c100_m5_s0")
+RUN_CONFIG = {"strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
+              "num-clients": 100, "num-members": 5, "fedbens-starts": "median"}
+
+
+def train_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config of an upload set trained here."""
+    return {**RUN_CONFIG, "num-clients": args.train_clients, "local-epochs": args.local_epochs,
+            "train-subset": args.train_subset}
+
+
+def train_part(part: int, parts: int, out: str, run_config: dict[str, Any]) -> None:
+    """One worker: the clients ``i`` with ``i % parts == part`` train and upload; the round's
+    fusion is a single step (its result is not used)."""
+    settings = Settings.from_mapping({**run_config, "output-dir": out,
+                                      "run-name": f"part{part}", "server-steps": 1})
+    clients = settings.num_clients
+    from fedfusion.app.inprocess import InProcessGrid
+    from fedfusion.server_app import run_server
+
+    others = [i for i in range(clients) if i % parts != part]
+    run_server(settings, InProcessGrid(settings, crash=others))
+
+
+def train_uploads(out: Path, workers: int, args: argparse.Namespace) -> list[ClientUpload]:
+    """Train the upload set with ``workers`` processes; return every client's upload."""
+    print(f"training {args.train_clients} clients x {RUN_CONFIG['num-members']} members with "
+          f"{workers} processes ...", flush=True)
+    start = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    forward = ["--train-clients", str(args.train_clients), "--local-epochs",
+               str(args.local_epochs), "--train-subset", str(args.train_subset)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--train-part", f"{k},{workers}",
+                               "--out", str(out), *forward],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for k in range(workers)]
+    uploads: list[ClientUpload] = []
+    for k, proc in enumerate(procs):
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"training worker {k} failed:\n{err[-3000:]}")
+        _, part, failures = load_uploads(out / f"part{k}" / "uploads", strict=True)
+        uploads += part
+    print(f"  {len(uploads)} uploads in {time.perf_counter() - start:.0f} s", flush=True)
+    return sorted(uploads, key=lambda u: u.client_id)
+
+
+def fuse_cell(settings: Settings, spec: ModelSpec, split: Any, uploads: list[ClientUpload],
+              device: str, **overrides: Any) -> dict[str, Any]:
+    """One FedBEns fusion of ``uploads`` on ``device`` (``overrides``: settings fields):
+    times, phases, test accuracy."""
+    settings = settings.replace(num_clients=len(uploads), server_device=device, **overrides)
+    strategy = build_strategy(settings, spec, split.bundle.val, device)
+    predictor = strategy.fuse_uploads(uploads)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    metrics = evaluate(predictor, split.bundle.test.x, split.bundle.test.y, device, 2000)
+    report = strategy.report()
+    mixture = report.get("mixture", {})
+    return {"device": device, "cuda_graphs": device == "cuda" and settings.server_cuda_graphs,
+            "clients": len(uploads), "fuse_s": strategy.fuse_seconds,
+            "phases_s": report.get("phase_seconds", {}), "test_accuracy": metrics["accuracy"],
+            "excluded": len(strategy.exclusions),
+            "refreshes": mixture.get("refreshes"), "active_pairs": mixture.get("active_pairs")}
+
+
+def profile_steps(settings: Settings, spec: ModelSpec, split: Any,
+                  uploads: list[ClientUpload]) -> str:
+    """``torch.profiler``'s table (by GPU time) of 20 FedBEns optimiser steps on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedfusion.strategies.fedbens import FedBEns
+
+    settings = settings.replace(num_clients=len(uploads), server_device="cuda",
+                                server_steps=20, server_eval_every=1000)
+    strategy = build_strategy(settings, spec, split.bundle.val, "cuda")
+    assert isinstance(strategy, FedBEns)
+    optimise = strategy.optimise
+
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = optimise(*args, **kwargs)
+        profiled.table = prof.key_averages().table(  # type: ignore[attr-defined]
+            sort_by="cuda_time_total", row_limit=30)
+        profiled.ops = sum(e.count for e in prof.key_averages()  # type: ignore[attr-defined]
+                           if e.key.startswith("aten::"))
+        return out
+
+    strategy.optimise = profiled  # type: ignore[method-assign]
+    strategy.fuse_uploads(uploads)
+    return (f"aten operations in 21 objective evaluations and 20 steps: {profiled.ops}\n"
+            f"{profiled.table}")
+
+
+def print_table(rows: list[dict[str, Any]], cells: list[int]) -> None:
+    """Fuse and optimisation seconds per variant, the speed-up over the CPU, accuracy."""
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    print(f"\n{'C':>5}" + "".join(f"{label + ' s':>14}" for label in labels)
+          + "".join(f"{label + ' x':>12}" for label in labels[1:])
+          + "".join(f"{label + ' %':>12}" for label in labels))
+    for clients in cells:
+        cell = {r["variant"]: r for r in rows if r["clients"] == clients}
+        cpu = cell["cpu"]["fuse_s"]
+        print(f"{clients:>5}" + "".join(f"{cell[v]['fuse_s']:>14.2f}" for v in labels)
+              + "".join(f"{cpu / cell[v]['fuse_s']:>11.1f}x" for v in labels[1:])
+              + "".join(f"{100 * cell[v]['test_accuracy']:>12.2f}" for v in labels))
+    if len(labels) == 1:
+        print("no CUDA device: the GPU is not measured")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--local-epochs", type=int, default=2)
-    parser.add_argument("--members", type=int, default=5)
-    parser.add_argument("--alpha", type=float, default=0.1)
-    parser.add_argument("--train-subset", type=int, default=10000,
-                        help="client pool size (the fits' cost; 0 = all 59,500 rows)")
+    parser.add_argument("--cells", default="5,40,100", help="client counts C")
+    parser.add_argument("--uploads", default=str(UPLOADS))
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--train-clients", type=int, default=100)
+    parser.add_argument("--local-epochs", type=int, default=20, help="clients trained here")
+    parser.add_argument("--train-subset", type=int, default=0, help="clients trained here")
     parser.add_argument("--out", default=str(Path.home() / "fedfusion-outputs" / "server_device"))
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--clustered", action="store_true",
+                        help="also fuse with fedbens-starts=clustered on the GPU")
+    parser.add_argument("--train-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("server_device: no CUDA device here; this benchmark compares CPU and GPU")
-        return 2
-    common = {"num_clients": 5, "alpha": args.alpha, "num_members": args.members, "seed": 0,
-              "local_epochs": args.local_epochs, "train_subset": args.train_subset,
-              "output_dir": args.out}
-    live = Settings(strategy="fedbens", run_name="live", server_device="cpu",
-                    fedbens_starts="median",
-                    extra_sections="curvature.diag,gram", **common)
-    start = time.perf_counter()
-    run_server(live, InProcessGrid(live))
-    client_s = time.perf_counter() - start
-    uploads = str(Path(args.out) / "live" / "uploads")
+    if args.train_part:
+        part, parts = map(int, args.train_part.split(","))
+        train_part(part, parts, args.out, train_config(args))
+        return 0
+    cells = [int(c) for c in args.cells.split(",")]
+    if Path(args.uploads).is_dir():
+        run_config, uploads, failures = load_uploads(args.uploads, strict=True)
+        source = f"{args.uploads} (benchmarks/scale.py)"
+        settings = Settings.from_mapping({**run_config, "fedbens-starts": "median"})
+    else:
+        uploads = train_uploads(Path(args.out), args.workers, args)
+        source = f"trained here by {args.workers} processes"
+        settings = Settings.from_mapping(train_config(args))
+    uploads = sorted(uploads, key=lambda u: u.client_id)
+    split = federated_split(settings)
+    bundle = split.bundle
+    spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
+                     bundle.num_classes, settings.parsed_model_kwargs())
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    #: (label, device, constructor overrides): the GPU with its steps as CUDA graphs (the
+    #: default) and eager, op by op
+    variants = [("cpu", "cpu", {})] + ([("gpu", "cuda", {}), ("gpu eager", "cuda",
+                                                             {"server_cuda_graphs": False})]
+                                       if "cuda" in devices else [])
+    if args.clustered and "cuda" in devices:  # 2M runs from the K-medoids, on the GPU
+        variants.append(("gpu clustered", "cuda", {"fedbens_starts": "clustered"}))
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    print(f"devices: {devices}; CPU threads {threads}"
+          + (f"; {torch.cuda.get_device_name()}" if "cuda" in devices else
+             "; no CUDA device: the GPU column stays 'not measured'"), flush=True)
+    for device in devices:  # warm-up: CUDA context, kernels, allocator, thread pool
+        fuse_cell(settings.replace(server_steps=5), spec, split, uploads[:5], device)
     rows = []
-    for strategy in STRATEGIES:
-        for device in ("cpu", "cuda"):
-            settings = Settings(strategy=strategy, replay=uploads, server_device=device,
-                                fedbens_starts="median",
-                                server_threads=os.cpu_count() or 1,
-                                run_name=f"{strategy}-{device}", output_dir=args.out)
-            results = run_server(settings)
-            rows.append({"strategy": strategy, "device": device,
-                         "fuse_s": results["timing"]["server_fuse_s"],
-                         "eval_s": results["timing"]["server_eval_s"],
-                         "accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"]})
-    print(f"\nlive client phase (in-process, sequential): {client_s:.1f} s; "
-          f"{torch.cuda.get_device_name()}")
-    print(f"{'strategy':<14}{'cpu fuse s':>12}{'gpu fuse s':>12}{'speed-up':>10}"
-          f"{'cpu acc %':>11}{'gpu acc %':>11}")
-    for strategy in STRATEGIES:
-        cpu, gpu = (next(r for r in rows if r["strategy"] == strategy and r["device"] == d)
-                    for d in ("cpu", "cuda"))
-        print(f"{strategy:<14}{cpu['fuse_s']:>12.2f}{gpu['fuse_s']:>12.2f}"
-              f"{cpu['fuse_s'] / gpu['fuse_s']:>9.1f}x{100 * cpu['accuracy']:>11.2f}"
-              f"{100 * gpu['accuracy']:>11.2f}")
-    out = REPO / "benchmarks" / "results" / "server_device.json"
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                               "cpu_threads": torch.get_num_threads(),
-                               "settings": {**common, "output_dir": None},
-                               "client_phase_s": client_s, "rows": rows}, indent=1))
-    print(f"saved {out}")
+    for clients in cells:
+        for label, device, overrides in variants:
+            print(f"C = {clients}, {label} ...", flush=True)
+            row = {"variant": label, **fuse_cell(settings, spec, split, uploads[:clients],
+                                                 device, **overrides)}
+            print(f"  fuse {row['fuse_s']:.2f} s (" + ", ".join(
+                f"{k} {v:.2f}" for k, v in row["phases_s"].items())
+                + f"), accuracy {100 * row['test_accuracy']:.2f}%", flush=True)
+            rows.append(row)
+    profile = profile_steps(settings, spec, split, uploads[:max(cells)]) if (
+        args.profile and "cuda" in devices) else None
+    if profile:
+        print(profile)
+    print_table(rows, cells)
+    RESULTS.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "uploads": source,
+        "run_config": {k: settings.to_mapping()[k] for k in train_config(args)},
+        "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
+        "cpu_threads": threads, "torch": torch.__version__, "rows": rows,
+        "profile": profile}, indent=1))
+    print(f"saved {RESULTS}")
     return 0
 
 

@@ -403,20 +403,29 @@ def test_pruned_mixture_objective_is_exact_up_to_the_dropped_weight(members, cur
     assert wide.report()["active_pairs"] == [8]
 
 
+def near_two_members(members, curvatures, structure: str, refresh_every: int):
+    """A pruned objective over members 0-3 (client 0 owns member 0, client 1 the others) and
+    two points: run 0 at member 1, run 1 at member 3."""
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures[structure], "cpu")
+    owner = torch.tensor([0, 1, 1, 1])
+    objective = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e-6,
+                                 refresh_every=refresh_every)
+    near = {name: torch.stack([p.detach(), members[3].get_parameter(name).detach()])
+            for name, p in members[1].named_parameters()}
+    return objective, stacked, owner, near
+
+
 def test_pruned_objective_refreshes_its_active_set(members, curvatures) -> None:
     """The active set follows the points: moving a run onto another member of client 1 makes
     that member the active one at the next refresh. Refreshes that change nothing while every
-    excluded member is far away come less often (the interval doubles); a change resets it."""
-    means = [dict(m.named_parameters()) for m in members]
-    stacked = StackedGaussians.from_members(means, curvatures["diag"], "cpu")
-    owner = torch.tensor([0, 1, 1, 1])
-    objective = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e-6, refresh_every=2)
-    near = {name: torch.stack([p.detach(), members[3].get_parameter(name).detach()])
-            for name, p in members[1].named_parameters()}
+    excluded member is far away come less often (the interval doubles); a change resets it.
+    Each run has its own schedule."""
+    objective, _, _, near = near_two_members(members, curvatures, "diag", refresh_every=2)
     objective(near)  # call 0: refreshed; the other members are far beyond the margin
     assert objective.active[0].tolist() == [True, True, False, False]
     assert objective.active[1].tolist() == [True, False, False, True]
-    assert objective.interval == 4 and objective.next_refresh == 4
+    assert objective.interval.tolist() == [4, 4] and objective.next_refresh.tolist() == [4, 4]
     swapped = {name: v.flip(0) for name, v in near.items()}
     for _ in range(3):  # calls 1-3: no refresh yet, the stale set is used
         objective(swapped)
@@ -424,11 +433,49 @@ def test_pruned_objective_refreshes_its_active_set(members, curvatures) -> None:
     objective(swapped)  # call 4: refreshed, the set changed: back to every 2 calls
     assert objective.active[0].tolist() == [True, False, False, True]
     assert objective.set_changes == 1 and objective.refreshes == 2
-    assert objective.interval == 2
+    assert objective.interval.tolist() == [2, 2]
     objective(swapped)  # call 5: not refreshed
     objective(swapped)  # call 6: refreshed, unchanged and far: the interval doubles again
     assert objective.refreshes == 3 and objective.set_changes == 1
-    assert objective.interval == 4
+    assert objective.interval.tolist() == [4, 4]
+
+
+def test_runs_refresh_on_their_own_schedules(members, curvatures) -> None:
+    """A run near a switch is re-checked every ``refresh_every`` calls without making the far
+    runs re-evaluate their components; its refresh chooses the pairs a full one would."""
+    objective, stacked, owner, near = near_two_members(members, curvatures, "diag",
+                                                       refresh_every=2)
+    objective.interval = torch.tensor([8, 2])
+    objective.next_refresh = torch.tensor([8, 2])
+    objective.refresh(near)  # every run, as at call 0
+    objective.calls = 2
+    swapped = {name: v.flip(0) for name, v in near.items()}
+    objective(swapped)  # call 2: run 1 only
+    assert objective.runs_refreshed == 2 + 1
+    assert objective.active[0].tolist() == [True, True, False, False]  # stale: not due
+    full = MixtureObjective(stacked, owner, 2, SIGMA2, margin=1e-6)
+    full.refresh(swapped)
+    assert objective.active[1].tolist() == full.active[1].tolist()
+
+
+def test_prepare_says_when_the_evaluated_pairs_change(members, curvatures) -> None:
+    """``prepare`` (refresh when due) and ``evaluate`` (no device read-back: what a CUDA graph
+    captures) make up a call; ``prepare`` is True exactly when ``evaluate`` will use new pair
+    tensors, and an unchanged refresh keeps the very same tensors (a graph still reads them)."""
+    objective, stacked, owner, near = near_two_members(members, curvatures, "kron",
+                                                       refresh_every=1)
+    assert objective.prepare(near)  # the first refresh
+    pairs = objective.pairs
+    value = objective.evaluate(near)
+    torch.testing.assert_close(value, MixtureObjective(stacked, owner, 2, SIGMA2,
+                                                       margin=1e-6)(near), rtol=0, atol=0)
+    while objective.refreshes < 2:  # not due (False), then refreshed, unchanged (False)
+        assert not objective.prepare(near)
+    assert objective.pairs is pairs
+    swapped = {name: v.flip(0) for name, v in near.items()}
+    while objective.refreshes < 3:
+        new = objective.prepare(swapped)
+    assert new and objective.pairs is not pairs and objective.set_changes == 1
 
 
 def test_mixture_rejects_client_without_component(members, curvatures) -> None:

@@ -166,8 +166,9 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     stacked, owner = strategy.build_posterior(uploads)
     modes = strategy.optimise(starts, stacked, owner, 3)
 
-    def value(point: dict) -> float:
-        w = {k: torch.as_tensor(v, dtype=torch.float64)[None] for k, v in point.items()}
+    def value(point: dict) -> float:  # on the strategy's device (a GPU where there is one)
+        w = {k: torch.as_tensor(v, dtype=torch.float64, device=strategy.context.device)[None]
+             for k, v in point.items()}
         return float(strategy.objective(w, stacked, owner, 3)[0])
 
     for start, mode in zip(starts, modes, strict=True):
@@ -176,7 +177,8 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     assert len(fused.members) == 6
     for member, mode in zip(fused.members, modes, strict=True):
         for name, weight in member.state_dict().items():
-            torch.testing.assert_close(weight.double(), mode[name].double(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(weight.double().cpu(), mode[name].double(), rtol=0,
+                                       atol=1e-6)
     one = FedBEns(TINY, num_clients=3, starts="median", modes=1, steps=5)
     (start,) = one.starting_points(uploads)  # the members-0 median only
     for name, value in start.items():

@@ -179,6 +179,26 @@ def test_server_optimiser_refuses_a_non_finite_objective():
         ServerOptimiser(steps=3).maximise(objective, starts, FusionContext(SPEC))
 
 
+def test_a_non_finite_objective_between_evaluations_is_named_by_its_step():
+    """The objectives are checked at the next evaluation, not at every step (a check waits
+    for the device's queued work), and the error still names the first bad step and run."""
+    from fedfusion.strategies.fusion import FusionContext
+    from fedfusion.strategies.server_optim import ServerOptimiser
+
+    calls = []
+
+    def objective(w):  # finite for steps 0-6, then run 0 diverges
+        calls.append(len(calls))
+        value = sum(v.sum(dim=tuple(range(1, v.dim()))) for v in w.values())
+        return value * torch.tensor([float("inf") if len(calls) > 7 else 1.0, 1.0])
+
+    starts = [make_upload(0, members=1).weights(0), make_upload(1, members=1).weights(0)]
+    with pytest.raises(FloatingPointError, match=r"not finite at step 7 in run\(s\) \[0\]"):
+        ServerOptimiser(steps=40, eval_every=10).maximise(objective, starts,
+                                                          FusionContext(SPEC))
+    assert len(calls) == 11  # found at the evaluation of step 10
+
+
 def test_initial_models_are_seeded_and_perturbed_around_member_0_on_request():
     independent = FedAvg(SPEC, num_members=3, seed=4).initial_models()
     again = FedAvg(SPEC, num_members=3, seed=4).initial_models()

@@ -90,6 +90,7 @@ class Settings:
     server_eval_every: int = 30
     server_patience: int = 0
     server_validation: bool = True
+    server_cuda_graphs: bool = True
     round_timeout: float = 3600.0
     node_wait_timeout: float = 600.0
     client_registry: str = ""
@@ -409,7 +410,8 @@ STRATEGY_KEYS: dict[str, dict[str, str]] = {
                 "eval_every": "server-eval-every", "patience": "server-patience",
                 "prune_margin": "mixture-prune-margin",
                 "refresh_every": "mixture-refresh-every", "starts": "fedbens-starts",
-                "num_starts": "fedbens-num-starts", "modes": "fedbens-modes"},
+                "num_starts": "fedbens-num-starts", "modes": "fedbens-modes",
+                "cuda_graphs": "server-cuda-graphs"},
     "fedfisher": {"hessian_structure": "hessian-structure", "steps": "fedfisher-steps",
                   "lr": "fedfisher-lr", "eval_every": "fedfisher-eval-every"},
     "pfnm": {"sigma": "pfnm-sigma", "sigma0": "pfnm-sigma0", "gamma": "pfnm-gamma",

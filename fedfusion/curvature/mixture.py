@@ -203,6 +203,24 @@ def _pad(mat: torch.Tensor, rows: int | None = None, cols: int | None = None) ->
     return torch.nn.functional.pad(mat, (0, cols - mat.shape[1], 0, rows - mat.shape[0]))
 
 
+def _dense_factors(eigvecs: Sequence[torch.Tensor], eigvals: Sequence[torch.Tensor], rank: int,
+                   device: torch.device, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[K, n, n]`` float64: ``Q_k diag(l_k) Q_k^T / scale_k``, formed as one batched product
+    on a CUDA device (eigenvectors zero-padded to ``rank`` columns: padding adds nothing),
+    else on the CPU."""
+    work = device if device.type == "cuda" else torch.device("cpu")
+    # stacked in the uploads' own precision (float64 is formed where the product runs:
+    # exact, and half the bytes to copy and move)
+    q = torch.zeros(len(eigvecs), eigvecs[0].shape[0], rank, dtype=eigvecs[0].dtype)
+    lam = torch.zeros(len(eigvals), rank, dtype=eigvals[0].dtype)
+    for k, (vecs, vals) in enumerate(zip(eigvecs, eigvals, strict=True)):
+        q[k, :, : vecs.shape[1]] = vecs
+        lam[k, : vals.shape[0]] = vals
+    q, lam = q.to(work, torch.float64), lam.to(work, torch.float64)
+    dense = (q * lam[:, None, :]) @ q.transpose(1, 2)
+    return dense if scale is None else dense / scale.to(work)[:, None, None]
+
+
 def _rowwise_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``[P]``: ``<x[p], y[p]>`` over all but the first axis (an einsum: 4x faster here than
     ``(x * y).sum()``, which writes the product out first)."""
@@ -215,12 +233,14 @@ class _KronQuadraticForm(torch.autograd.Function):
     and the gradient, where autograd through ``Q_B^T D Q_A`` would multiply twice."""
 
     @staticmethod
-    def forward(ctx, w, mean, b, a, delta):  # type: ignore[override]
+    def forward(ctx, w, mean, b, a, delta, uniform_delta):  # type: ignore[override]
         diff = w - mean
-        # prod = B D A + delta D (the half-gradient), then quad = <D, prod> per pair
+        # prod = B D A + delta D (the half-gradient), then quad = <D, prod> per pair;
+        # ``uniform_delta`` (a float when every component has the same delta, known when the
+        # stack is built) avoids reading ``delta`` back from the device at every step
         prod = torch.bmm(torch.bmm(b, diff), a)
-        if bool((delta == delta[0]).all()):
-            prod.add_(diff, alpha=float(delta[0]))
+        if uniform_delta is not None:
+            prod.add_(diff, alpha=uniform_delta)
         else:
             prod.addcmul_(delta[:, None, None], diff)
         quad = _rowwise_dot(diff, prod)
@@ -231,7 +251,7 @@ class _KronQuadraticForm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (prod,) = ctx.saved_tensors
-        return (2 * grad)[:, None, None] * prod, None, None, None, None
+        return (2 * grad)[:, None, None] * prod, None, None, None, None, None
 
 
 class StackedKron(StackedGaussians):
@@ -255,8 +275,17 @@ class StackedKron(StackedGaussians):
     def __init__(self, layers: dict[str, dict[str, torch.Tensor]], **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.layers = layers
-        #: layer -> (the pairs' components, their gathered factors): see :meth:`_gathered`
-        self._pair_cache: dict[str, tuple[torch.Tensor, list]] = {}
+        #: layer -> delta as a float when all components share it (the usual case: one
+        #: prior and temperature for every client), else None
+        self.uniform_delta: dict[str, float | None] = {}
+        for name, layer in layers.items():
+            if "delta" in layer:
+                delta = layer["delta"].cpu()
+                self.uniform_delta[name] = (float(delta[0]) if bool((delta == delta[0]).all())
+                                            else None)
+        #: layer -> (a copy of the pairs' components, their gathered factors, the tensor
+        #: passed and its version counter): see :meth:`_gathered`
+        self._pair_cache: dict[str, tuple[torch.Tensor, list, torch.Tensor, int]] = {}
 
     @classmethod
     def _build(cls, means, curvatures, param_shapes, logdet, device, dtype, max_chunk_bytes):
@@ -288,12 +317,12 @@ class StackedKron(StackedGaussians):
             rotation_cost = 2 * min(out_dim * in_dim * rank_b + rank_b * in_dim * rank_a,
                                     out_dim * in_dim * rank_a + out_dim * rank_a * rank_b)
             if dense_cost <= rotation_cost:
-                layer["b"] = torch.stack([
-                    (f.eigvecs_out.double() * f.eigvals_out.double()) @ f.eigvecs_out.double().T
-                    / c.temperature for f, c in zip(facs, kron, strict=True)])
-                layer["a"] = torch.stack([
-                    (f.eigvecs_in.double() * f.eigvals_in.double()) @ f.eigvecs_in.double().T
-                    for f in facs])
+                temperature = torch.tensor([c.temperature for c in kron], dtype=torch.float64)
+                layer["b"] = _dense_factors([f.eigvecs_out for f in facs],
+                                            [f.eigvals_out for f in facs], rank_b, device,
+                                            temperature)
+                layer["a"] = _dense_factors([f.eigvecs_in for f in facs],
+                                            [f.eigvals_in for f in facs], rank_a, device)
             else:
                 # members truncated to other ranks: pad with zero eigenvectors / eigenvalues,
                 # which add nothing to sum S^2 outer(l_B, l_A) / T
@@ -326,7 +355,8 @@ class StackedKron(StackedGaussians):
         out_dim, in_dim = layer["mean"].shape[1:]
         wm = w.reshape(w.shape[0], out_dim, in_dim)
         if "b" in layer:
-            return torch.cat([_KronQuadraticForm.apply(wm[runs[ps]], *factors)
+            uniform = self.uniform_delta[name]
+            return torch.cat([_KronQuadraticForm.apply(wm[runs[ps]], *factors, uniform)
                               for ps, factors in self._gathered(name, comps)])
         qb, qa = layer["qb"], layer["qa"]
         rank_b, rank_a = qb.shape[2], qa.shape[2]
@@ -355,8 +385,12 @@ class StackedKron(StackedGaussians):
         active pairs for many steps, and gathering the factors costs as much as a third of a
         step (LeNet at C = 100: 222 MB for fc1's 500 pairs)."""
         cached = self._pair_cache.get(name)
-        if cached is not None and torch.equal(cached[0], comps):
-            return cached[1]
+        if cached is not None:
+            # the same, unmodified tensor (an optimiser's pairs between refreshes) needs no
+            # comparison on the device, which would wait for the queued work at every step
+            same = cached[2] is comps and cached[3] == comps._version
+            if same or torch.equal(cached[0], comps):
+                return cached[1]
         layer = self.layers[name]
         out_dim, in_dim = layer["mean"].shape[1:]
         per_pair = (out_dim * out_dim + in_dim * in_dim + 5 * out_dim * in_dim
@@ -365,7 +399,7 @@ class StackedKron(StackedGaussians):
                     for ps in _chunks(len(comps), per_pair, self.max_chunk_bytes)]
         kept = sum(t.numel() * t.element_size() for _, factors in gathered for t in factors)
         if kept <= max(self.max_chunk_bytes, MAX_PAIR_CACHE_BYTES):
-            self._pair_cache[name] = (comps.clone(), gathered)
+            self._pair_cache[name] = (comps.clone(), gathered, comps, comps._version)
         return gathered
 
     def pair_quadratic_form(
@@ -392,23 +426,26 @@ class StackedKron(StackedGaussians):
         return total
 
     def _dense_all_runs(self, layer: dict[str, torch.Tensor], w: torch.Tensor) -> torch.Tensor:
-        """``[R, K]`` quadratic form of one dense-factor layer at every run and component."""
+        """``[R, K]`` quadratic form of one dense-factor layer at every run and component, as
+        ``<B, D A D^T> + delta ||D||^2`` (``= <D, B D A>`` for symmetric ``A``, ``B``): both
+        products take ``D`` in its own layout, where ``B D`` over all runs needed two
+        transposed copies of the differences (1.6x faster at C = 100)."""
         num_runs, (out_dim, in_dim) = w.shape[0], layer["mean"].shape[1:]
         wm = w.reshape(num_runs, out_dim, in_dim)
-        per_comp = (out_dim * out_dim + in_dim * in_dim + 5 * num_runs * out_dim * in_dim
-                    ) * wm.element_size()
+        per_comp = (out_dim * out_dim + in_dim * in_dim + 3 * num_runs * out_dim * in_dim
+                    + num_runs * out_dim * out_dim) * wm.element_size()
         parts = []
         for ks in _chunks(self.num_components, per_comp, self.max_chunk_bytes):
             diff = wm[None] - layer["mean"][ks, None]  # [k, R, out, in]
             k = diff.shape[0]
-            left = torch.bmm(layer["b"][ks], diff.transpose(1, 2).reshape(k, out_dim, -1))
-            left = left.reshape(k, out_dim, num_runs, in_dim).transpose(1, 2)
-            prod = torch.bmm(left.reshape(k, num_runs * out_dim, in_dim), layer["a"][ks])
+            pairs = diff.reshape(k * num_runs, out_dim, in_dim)
+            da = torch.bmm(diff.reshape(k, num_runs * out_dim, in_dim), layer["a"][ks])
+            dad = torch.bmm(da.reshape(k * num_runs, out_dim, in_dim), pairs.transpose(1, 2))
+            quad = torch.einsum("kij,krij->kr", layer["b"][ks],
+                                dad.reshape(k, num_runs, out_dim, out_dim))
             flat = diff.reshape(k * num_runs, -1)
-            delta = layer["delta"][ks].repeat_interleave(num_runs)
-            quad = (_rowwise_dot(flat, prod.reshape(k * num_runs, -1))
-                    + delta * _rowwise_dot(flat, flat))
-            parts.append(quad.reshape(k, num_runs))
+            parts.append(quad + layer["delta"][ks, None]
+                         * _rowwise_dot(flat, flat).reshape(k, num_runs))
         return torch.cat(parts).T
 
 
@@ -578,11 +615,17 @@ def mixture_log_posterior(
     if active is None:
         log_dens = stacked.log_density(w)  # [R, K]
     else:
-        runs, comps = torch.nonzero(active, as_tuple=True)
-        log_dens = torch.full(tuple(active.shape), -math.inf, device=stacked.device,
-                              dtype=stacked.dtype).index_put(
-            (runs, comps), stacked.log_density_pairs(w, runs, comps))
-    client = torch.as_tensor(client_of_component, device=log_dens.device).long()
+        log_dens = _scatter_pairs(stacked, w, torch.nonzero(active, as_tuple=True),
+                                  tuple(active.shape))
+    log_weight, member = _client_weights(client_of_component, stacked, num_clients)
+    return _log_posterior(log_dens, log_weight, member, w, stacked, num_clients, prior_var)
+
+
+def _client_weights(client_of_component: torch.Tensor, stacked: StackedGaussians,
+                    num_clients: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-log M_c(k) [K], membership [C, K])`` after checking the client index of each
+    component."""
+    client = torch.as_tensor(client_of_component, device=stacked.device).long()
     if client.shape != (stacked.num_components,):
         raise ValueError(
             f"client_of_component must have shape [{stacked.num_components}], "
@@ -598,10 +641,26 @@ def mixture_log_posterior(
         raise ValueError(
             f"clients {torch.nonzero(counts == 0).flatten().tolist()} have no component"
         )
-    log_weight = -torch.log(counts[client].to(log_dens.dtype))  # -log M_c(k), [K]
+    log_weight = -torch.log(counts[client].to(stacked.dtype))  # -log M_c(k), [K]
     member = client[None, :] == torch.arange(num_clients, device=client.device)[:, None]
+    return log_weight, member
+
+
+def _scatter_pairs(stacked: StackedGaussians, w: Mapping[str, torch.Tensor],
+                   pairs: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...]
+                   ) -> torch.Tensor:
+    """``[R, K]``: the log-densities of the (run, component) ``pairs``, -inf elsewhere."""
+    runs, comps = pairs
+    return torch.full(shape, -math.inf, device=stacked.device, dtype=stacked.dtype).index_put(
+        (runs, comps), stacked.log_density_pairs(w, runs, comps))
+
+
+def _log_posterior(log_dens: torch.Tensor, log_weight: torch.Tensor, member: torch.Tensor,
+                   w: Mapping[str, torch.Tensor], stacked: StackedGaussians, num_clients: int,
+                   prior_var: float) -> torch.Tensor:
+    """Eq. 5 from the ``[R, K]`` log-densities: the clients' logsumexps minus C - 1 priors."""
     terms = (log_dens + log_weight)[:, None, :]  # [R, 1, K]
-    terms = torch.where(member, terms, torch.full_like(terms, -math.inf))  # [R, C, K]
+    terms = torch.where(member, terms, -math.inf)  # [R, C, K]
     per_client = torch.logsumexp(terms, dim=-1)  # [R, C]
     extra = set(w) - set(stacked.param_shapes)
     if extra:
@@ -624,11 +683,16 @@ class MixtureObjective:
     best); the calls in between evaluate only those pairs, ``R x C`` instead of ``R x K``
     for well separated members (~5x less work for M = 5). With ``margin = 50`` a pruned
     component's weight is below e^-50 ~ 2e-22, under float64's resolution of the sum.
-    ``margin <= 0`` disables pruning (every call evaluates all pairs). While a refresh finds
-    the set unchanged and every excluded component at least ``FAR_GAP_MARGINS`` margins
-    away, the interval to the next one doubles, up to ``MAX_REFRESH_GROWTH x
-    refresh_every``; a change, or a component nearer than that, resets it (at C = 100 the
-    set never changed in 31 refreshes and the nearest excluded member stayed 916 nats away).
+    ``margin <= 0`` disables pruning (every call evaluates all pairs). Each run keeps its own
+    schedule: while a refresh finds run r's pairs unchanged and every component it excludes
+    at least ``FAR_GAP_MARGINS`` margins away, the interval to run r's next refresh doubles,
+    up to ``MAX_REFRESH_GROWTH x refresh_every``; a change, or a component nearer than that,
+    resets it (at C = 100 the set never changed in 31 refreshes and the nearest excluded
+    member stayed 916 nats away), and a refresh evaluates the ``K`` components of the runs
+    that are due only. (One schedule for all runs made every run re-evaluate all ``K``
+    components whenever any run was near a switch: with the member starts of
+    ``starts="clustered"``, one run of ten near a switch, 10-11 full refreshes instead of
+    the median starts' 6, 55 s of a 375 s server at C = 100.)
 
     The smallest gap of an excluded component seen at a refresh and the number of refreshes
     that changed the active set are kept in :meth:`report`, so a run whose components move
@@ -642,52 +706,107 @@ class MixtureObjective:
             raise ValueError("refresh_every must be >= 1")
         self.stacked, self.num_clients, self.prior_var = stacked, num_clients, prior_var
         self.client = torch.as_tensor(client_of_component, device=stacked.device).long()
+        # checked and formed once: a step then reads nothing back from the device
+        self.log_weight, self.member = _client_weights(self.client, stacked, num_clients)
+        #: the active (run, component) pairs of the last refresh, as index tensors
+        self.pairs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.margin, self.refresh_every = float(margin), int(refresh_every)
         self.max_refresh_every = MAX_REFRESH_GROWTH * self.refresh_every
-        self.interval, self.next_refresh = self.refresh_every, 0
+        #: per run ``[R]`` (on the CPU, formed at the first call): calls between its
+        #: refreshes, and the call of its next one
+        self.interval: torch.Tensor | None = None
+        self.next_refresh: torch.Tensor | None = None
         self.active: torch.Tensor | None = None
-        self.calls = self.refreshes = self.set_changes = 0
+        self.calls = self.refreshes = self.set_changes = self.runs_refreshed = 0
         self.min_excluded_gap = math.inf
         self.active_pairs: list[int] = []
 
     def __call__(self, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        if self.margin > 0 and self.calls >= self.next_refresh:
-            self.refresh(w)
-            self.next_refresh = self.calls + self.interval
+        self.prepare(w)
+        return self.evaluate(w)
+
+    def prepare(self, w: Mapping[str, torch.Tensor]) -> bool:
+        """Count a call and refresh the active pairs when due; True when the pairs that
+        :meth:`evaluate` uses are new (a captured CUDA graph of it must be captured again)."""
+        new = False
+        if self.margin > 0:
+            if self.next_refresh is None:
+                num_runs = self.stacked.num_points(w)
+                self.next_refresh = torch.zeros(num_runs, dtype=torch.long)
+                self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
+            due = self.next_refresh <= self.calls
+            if bool(due.any()):
+                new = self.refresh(w, due)
+                assert self.interval is not None
+                self.next_refresh = torch.where(due, self.calls + self.interval,
+                                                self.next_refresh)
         self.calls += 1
-        return mixture_log_posterior(w, self.stacked, self.client, self.num_clients,
-                                     self.prior_var, self.active if self.margin > 0 else None)
+        return new
+
+    def evaluate(self, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Eq. 5 at ``w`` on the active pairs of the last refresh, reading nothing back from
+        the device (so that it can be captured in a CUDA graph)."""
+        if self.margin > 0:
+            assert self.pairs is not None and self.active is not None
+            log_dens = _scatter_pairs(self.stacked, w, self.pairs, tuple(self.active.shape))
+        else:
+            log_dens = self.stacked.log_density(w)
+        return _log_posterior(log_dens, self.log_weight, self.member, w, self.stacked,
+                              self.num_clients, self.prior_var)
 
     @torch.no_grad()
-    def refresh(self, w: Mapping[str, torch.Tensor]) -> None:
-        """Re-choose the active (run, component) pairs at the current points ``w``."""
-        weighted = self.stacked.log_density({k: v.detach() for k, v in w.items()})  # [R, K]
-        counts = torch.bincount(self.client, minlength=self.num_clients)
-        weighted = weighted - torch.log(counts[self.client].to(weighted.dtype))
-        member = self.client[None, :] == torch.arange(self.num_clients,
-                                                      device=self.client.device)[:, None]
-        per_client = torch.where(member, weighted[:, None, :], -math.inf)  # [R, C, K]
-        best = per_client.max(dim=-1).values  # [R, C]
-        gap = best[:, self.client] - weighted  # [R, K], >= 0
-        active = gap <= self.margin
-        nearest = float(gap[~active].min()) if (~active).any() else math.inf
-        self.min_excluded_gap = min(self.min_excluded_gap, nearest)
-        changed = self.active is not None and not torch.equal(active, self.active)
+    def refresh(self, w: Mapping[str, torch.Tensor], due: torch.Tensor | None = None) -> bool:
+        """Re-choose the active (run, component) pairs of the runs ``due`` (``[R]`` bool on
+        the CPU; default: every run) at the current points ``w``, the other runs keeping
+        theirs; True when the pairs differ from the last ones (or are the first)."""
+        num_runs = self.stacked.num_points(w)
+        if due is None:
+            due = torch.ones(num_runs, dtype=torch.bool)
+        rows = torch.nonzero(due).flatten()  # CPU
+        every = len(rows) == num_runs
+        idx = rows.to(self.stacked.device)
+        points = {k: v.detach() if every else v.detach()[idx] for k, v in w.items()}
+        weighted = self.stacked.log_density(points) + self.log_weight  # [r, K]
+        per_client = torch.where(self.member, weighted[:, None, :], -math.inf)  # [r, C, K]
+        best = per_client.max(dim=-1).values  # [r, C]
+        gap = best[:, self.client] - weighted  # [r, K], >= 0
+        fresh = gap <= self.margin
+        nearest = torch.where(fresh, math.inf, gap).min(dim=1).values.cpu()  # [r]
+        self.min_excluded_gap = min(self.min_excluded_gap, float(nearest.min()))
+        if self.active is None:
+            moved = torch.zeros(len(rows), dtype=torch.bool)
+            active = torch.zeros(num_runs, len(self.client), dtype=torch.bool,
+                                 device=fresh.device)
+        else:
+            moved = (fresh != self.active[idx]).any(dim=1).cpu()  # [r]
+            active = self.active.clone()
+        active[idx] = fresh
+        changed = bool(moved.any())
         self.set_changes += changed
-        # an unchanged set whose nearest excluded member is far beyond the margin: check less
-        # often (doubling, up to MAX_REFRESH_GROWTH x); any change or a close member: as often
-        # as refresh_every again
-        far = nearest >= FAR_GAP_MARGINS * self.margin
-        self.interval = (min(2 * self.interval, self.max_refresh_every) if far and not changed
-                         else self.refresh_every)
-        self.active = active
+        # a run whose pairs are unchanged and whose nearest excluded member is far beyond the
+        # margin: checked less often (doubling, up to MAX_REFRESH_GROWTH x); any change or a
+        # close member: as often as refresh_every again
+        assert self.interval is not None or every
+        if self.interval is None:
+            self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
+        steady = (nearest >= FAR_GAP_MARGINS * self.margin) & ~moved
+        self.interval[rows] = torch.where(
+            steady, torch.clamp(2 * self.interval[rows], max=self.max_refresh_every),
+            self.refresh_every)
+        new = self.active is None or changed
+        if new:  # unchanged pairs keep their tensors (a captured graph reads them)
+            self.active = active
+            self.pairs = torch.nonzero(active, as_tuple=True)
         self.refreshes += 1
+        self.runs_refreshed += len(rows)
         self.active_pairs.append(int(active.sum()))
+        return new
 
     def report(self) -> dict[str, float | int | list[int]]:
         return {"prune_margin": self.margin, "refresh_every": self.refresh_every,
                 "max_refresh_every": self.max_refresh_every,
                 "refreshes": self.refreshes, "active_set_changes": self.set_changes,
+                "runs_refreshed": self.runs_refreshed,
                 "min_excluded_gap_nats": self.min_excluded_gap,
                 "active_pairs": sorted(set(self.active_pairs)),
                 "all_pairs": int(self.client.numel()) * (

@@ -25,9 +25,11 @@ per-member sample-weighted averages instead of the medians (``starts="auto"``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,6 +115,9 @@ class FedBEns(FusionStrategy):
         returns one model (with ``"clustered"``: the run from the heaviest cluster).
     dtype : torch.dtype, default torch.float32
         Precision of the server optimisation.
+    cuda_graphs : bool, default True
+        On a CUDA device, replay each optimiser step as one captured CUDA graph (the same
+        kernels without their launch cost; benchmarks/README.md, "The server on a GPU").
     """
 
     name = "fedbens"
@@ -137,6 +142,7 @@ class FedBEns(FusionStrategy):
         num_starts: int = 0,
         modes: int = 0,
         dtype: torch.dtype = torch.float32,
+        cuda_graphs: bool = True,
         **kwargs: Any,
     ):
         super().__init__(model_fn, **kwargs)
@@ -162,8 +168,12 @@ class FedBEns(FusionStrategy):
         self.dtype = dtype
         self.prune_margin, self.refresh_every = prune_margin, refresh_every
         self.mixture: MixtureObjective | None = None
+        #: seconds of the last fusion's phases: posterior (stacking the members), starts,
+        #: optimise
+        self.phase_seconds: dict[str, float] = {}
         self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
-                                         patience=patience, dtype=dtype, label="fedbens")
+                                         patience=patience, dtype=dtype,
+                                         cuda_graphs=cuda_graphs, label="fedbens")
 
     # ------------------------------------------------------------------ posterior
     def build_posterior(self, uploads: Sequence[ClientUpload]) -> tuple[StackedGaussians,
@@ -217,9 +227,23 @@ class FedBEns(FusionStrategy):
     # ------------------------------------------------------------------ fusion
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         spec = self.context.model_spec
-        stacked, owner = self.build_posterior(uploads)
-        modes = self.optimise(self.starting_points(uploads), stacked, owner, len(uploads))
+        with self._phase("posterior"):
+            stacked, owner = self.build_posterior(uploads)
+        with self._phase("starts"):
+            starts = self.starting_points(uploads)
+        with self._phase("optimise"):
+            modes = self.optimise(starts, stacked, owner, len(uploads))
         return Ensemble([spec.build(mode) for mode in modes], [spec] * len(modes))
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time one phase of :meth:`fuse` into :attr:`phase_seconds` (the device's queued
+        work included)."""
+        start = time.perf_counter()
+        yield
+        if self.context.device.type == "cuda":
+            torch.cuda.synchronize(self.context.device)
+        self.phase_seconds[name] = time.perf_counter() - start
 
     def optimise(self, starts: Sequence[dict[str, np.ndarray]], stacked: StackedGaussians,
                  owner: torch.Tensor, num_clients: int) -> list[dict[str, torch.Tensor]]:
@@ -240,4 +264,5 @@ class FedBEns(FusionStrategy):
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},
+                "phase_seconds": dict(self.phase_seconds),
                 **self.optimiser.report()}

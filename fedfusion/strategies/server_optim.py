@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,6 +30,19 @@ log = logging.getLogger("fedfusion")
 Objective = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # stacked weights -> [R]
 
 
+@runtime_checkable
+class GraphableObjective(Protocol):
+    """An objective whose evaluation can be captured in a CUDA graph: :meth:`prepare` does
+    whatever reads the device (once per step, outside the graph) and says whether
+    :meth:`evaluate` now uses other tensors; :meth:`evaluate` reads nothing back."""
+
+    def __call__(self, w: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def prepare(self, w: dict[str, torch.Tensor]) -> bool: ...
+
+    def evaluate(self, w: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+
 @dataclass
 class ServerOptimiser:
     """Maximise an objective from R starting points; see the module docstring."""
@@ -43,10 +56,15 @@ class ServerOptimiser:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     dtype: torch.dtype = torch.float32
+    #: on a CUDA device, replay each step as one CUDA graph when the objective allows it
+    #: (:class:`GraphableObjective`)
+    cuda_graphs: bool = True
     label: str = "server"
     trace: list[dict[str, Any]] = field(default_factory=list)
     stopped_at: int | None = None
     best_scores: list[tuple[float, float]] = field(default_factory=list)
+    #: CUDA graphs captured in the last run (None: eager steps)
+    graph_captures: int | None = None
 
     def maximise(self, objective: Objective, starts: Sequence[dict[str, np.ndarray]],
                  context: FusionContext, recalibrate_stats: bool = False
@@ -65,31 +83,42 @@ class ServerOptimiser:
         buffers = [{name: torch.as_tensor(s[name]) for name in s if name not in parameters}
                    for s in starts]
         params = list(w.values())
-        optimizer = (torch.optim.Adam(params, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
+        on_gpu = torch.device(device).type == "cuda"
+        graphs = self.cuda_graphs and on_gpu and isinstance(objective, GraphableObjective)
+        # on a GPU, Adam's fused kernel: one launch per step instead of one per operation
+        # (capturable: its step count stays on the device, as a graph needs)
+        fused = {"fused": True, "capturable": graphs} if on_gpu else {}
+        optimizer = (torch.optim.Adam(params, lr=self.lr, betas=self.adam_betas,
+                                      eps=self.adam_eps, **fused)
                      if self.optimizer == "adam" else torch.optim.SGD(params, lr=self.lr))
+        stepper = (_GraphStepper(objective, w, optimizer, self.clip, self.label) if graphs
+                   else _EagerStepper(objective, w, optimizer, self.clip))
         net = context.model_spec.build().to(device)
         best_score = [(-np.inf, -np.inf)] * runs
         best = [self._snapshot(w, buffers, r) for r in range(runs)]
         self.trace, self.stopped_at = [], None
         stale = 0  # evaluations since any run last improved
+        unchecked: list[tuple[int, torch.Tensor]] = []  # (step, objective) not yet checked
         for step in range(self.steps + 1):
-            optimizer.zero_grad(set_to_none=True)
-            value = objective(w)
-            if not torch.isfinite(value).all():
-                bad = [r for r in range(runs) if not torch.isfinite(value[r])]
-                raise FloatingPointError(
-                    f"[{self.label}] the objective is not finite at step {step} in run(s) {bad}: "
-                    "an upload with extreme weights or curvature, or a step size that diverges")
-            if step % self.eval_every == 0 or step == self.steps:
-                scores = self.score(net, w, value.detach(), context, buffers,
-                                    recalibrate_stats)
+            scoring = step % self.eval_every == 0 or step == self.steps
+            value = stepper.value(scoring)
+            if value is not None:
+                unchecked.append((step, value))
+            # the objectives are checked where the loop reads the device anyway (before
+            # scoring, the only place it may stop), not at every step: a check waits for the
+            # queued work, and steps past a bad one change nothing that is kept
+            if scoring:
+                assert value is not None
+                self._check_finite(unchecked)
+                unchecked = []
+                scores = self.score(net, w, value, context, buffers, recalibrate_stats)
                 stale += 1
                 for r, score in enumerate(scores):
                     if score > best_score[r]:
                         best_score[r] = score
                         best[r] = self._snapshot(w, buffers, r)
                         stale = 0
-                self.trace.append({"step": step, "objective": value.detach().cpu().tolist(),
+                self.trace.append({"step": step, "objective": value.cpu().tolist(),
                                    "score": [list(s) for s in scores]})
                 log.info("[%s] step %d/%d: objective %s | score %s", self.label, step,
                          self.steps, " ".join(f"{v:.4g}" for v in value.tolist()),
@@ -101,12 +130,24 @@ class ServerOptimiser:
                 log.info("[%s] stopped at step %d: no run improved in the last %d evaluations",
                          self.label, step, self.patience)
                 break
-            (-value.sum()).backward()
-            if self.clip is not None:
-                clip_per_run(w, self.clip)
-            optimizer.step()
+            before = stepper.step()
+            if value is None:
+                assert before is not None
+                unchecked.append((step, before.clone()))  # the graph overwrites it
         self.best_scores = best_score
+        self.graph_captures = stepper.captures if isinstance(stepper, _GraphStepper) else None
         return [{k: v.cpu() for k, v in b.items()} for b in best]
+
+    def _check_finite(self, values: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Raise at the first step whose objective is not finite in some run."""
+        finite = torch.stack([torch.isfinite(v) for _, v in values])  # [steps, R]
+        if bool(finite.all()):
+            return
+        first = int((~finite).any(dim=1).nonzero()[0])
+        bad = (~finite[first]).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"[{self.label}] the objective is not finite at step {values[first][0]} in run(s) "
+            f"{bad}: an upload with extreme weights or curvature, or a step size that diverges")
 
     @staticmethod
     def _snapshot(w: dict[str, torch.Tensor], buffers: Sequence[dict[str, torch.Tensor]],
@@ -147,7 +188,107 @@ class ServerOptimiser:
                 "optimizer": self.optimizer, "adam_betas": list(self.adam_betas),
                 "adam_eps": self.adam_eps, "eval_every": self.eval_every,
                 "patience": self.patience, "stopped_at": self.stopped_at,
+                "cuda_graph_captures": self.graph_captures,
                 "best_scores": [list(s) for s in self.best_scores], "trace": self.trace}
+
+
+class _EagerStepper:
+    """A step through autograd, op by op."""
+
+    def __init__(self, objective: Objective, w: dict[str, torch.Tensor],
+                 optimizer: torch.optim.Optimizer, clip: float | None) -> None:
+        self.objective, self.w, self.optimizer, self.clip = objective, w, optimizer, clip
+        self._value: torch.Tensor | None = None
+
+    def value(self, scoring: bool) -> torch.Tensor:
+        """The objective at the current point (kept for :meth:`step`'s gradient)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._value = self.objective(self.w)
+        return self._value.detach()
+
+    def step(self) -> torch.Tensor | None:
+        """One ascent step from the point of the last :meth:`value`."""
+        assert self._value is not None
+        _ascend(self._value, self.w, self.optimizer, self.clip)
+        return None
+
+
+class _GraphStepper:
+    """A step replayed as one CUDA graph (objective, gradient, clip and optimiser step):
+    at the sizes of a FedBEns server an eager step is ~1,000 small kernels, bound by their
+    launches on the CPU, not by the GPU. The graph is captured after one eager step with the
+    objective's current tensors (warm-up: lazy state, cached factors) and captured again
+    whenever :meth:`GraphableObjective.prepare` says they changed. The objective at a scored
+    point is evaluated outside the graph, without gradient. A capture that fails leaves the
+    rest of the run eager (logged)."""
+
+    def __init__(self, objective: GraphableObjective, w: dict[str, torch.Tensor],
+                 optimizer: torch.optim.Optimizer, clip: float | None, label: str) -> None:
+        self.objective, self.w, self.optimizer, self.clip = objective, w, optimizer, clip
+        self.label = label
+        self.device = next(iter(w.values())).device
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_value: torch.Tensor | None = None
+        self.warm = False
+        self.eager = False  # a capture failed: every later step is eager
+        self.captures = 0
+
+    def value(self, scoring: bool) -> torch.Tensor | None:
+        """Prepare the step; the objective at the current point when scoring, else None."""
+        if self.objective.prepare(self.w):
+            self.graph, self.graph_value, self.warm = None, None, False
+        if not scoring:
+            return None
+        with torch.no_grad():
+            return self.objective.evaluate(self.w)
+
+    def step(self) -> torch.Tensor:
+        """One ascent step; returns the objective at the point it started from."""
+        if self.graph is None and (self.eager or not self.warm):
+            self.warm = True
+            return self._eager_step()
+        if self.graph is None:
+            try:
+                self._capture()
+            except RuntimeError as exc:  # an operation that cannot be captured
+                log.warning("[%s] CUDA graph capture failed, steps stay eager: %s",
+                            self.label, exc)
+                self.eager, self.graph, self.graph_value = True, None, None
+                return self._eager_step()
+        assert self.graph is not None and self.graph_value is not None
+        self.graph.replay()
+        return self.graph_value
+
+    def _eager_step(self) -> torch.Tensor:
+        # on a side stream, as CUDA graph warm-ups must be (torch.cuda.graphs' recipe)
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self.optimizer.zero_grad(set_to_none=True)
+                value = self.objective.evaluate(self.w)
+                _ascend(value, self.w, self.optimizer, self.clip)
+            current.wait_stream(side)
+        return value.detach()
+
+    def _capture(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # gradients then live in the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            value = self.objective.evaluate(self.w)
+            _ascend(value, self.w, self.optimizer, self.clip)
+        self.graph, self.graph_value = graph, value.detach()
+        self.captures += 1
+
+
+def _ascend(value: torch.Tensor, w: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+            clip: float | None) -> None:
+    """Gradient of ``value.sum()``, the per-run clip, one optimiser step up."""
+    (-value.sum()).backward()
+    if clip is not None:
+        clip_per_run(w, clip)
+    optimizer.step()
 
 
 def clip_per_run(w: dict[str, torch.Tensor], max_norm: float) -> None:
