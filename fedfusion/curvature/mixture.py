@@ -730,18 +730,20 @@ class MixtureObjective:
         :meth:`evaluate` uses are new (a captured CUDA graph of it must be captured again)."""
         new = False
         if self.margin > 0:
-            if self.next_refresh is None:
-                num_runs = self.stacked.num_points(w)
-                self.next_refresh = torch.zeros(num_runs, dtype=torch.long)
-                self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
-            due = self.next_refresh <= self.calls
+            interval, next_refresh = self._schedule(self.stacked.num_points(w))
+            due = next_refresh <= self.calls
             if bool(due.any()):
                 new = self.refresh(w, due)
-                assert self.interval is not None
-                self.next_refresh = torch.where(due, self.calls + self.interval,
-                                                self.next_refresh)
+                self.next_refresh = torch.where(due, self.calls + interval, next_refresh)
         self.calls += 1
         return new
+
+    def _schedule(self, num_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each run's refresh interval and next refresh call (formed at the first use)."""
+        if self.interval is None or self.next_refresh is None:
+            self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
+            self.next_refresh = torch.zeros(num_runs, dtype=torch.long)
+        return self.interval, self.next_refresh
 
     def evaluate(self, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Eq. 5 at ``w`` on the active pairs of the last refresh, reading nothing back from
@@ -786,12 +788,10 @@ class MixtureObjective:
         # a run whose pairs are unchanged and whose nearest excluded member is far beyond the
         # margin: checked less often (doubling, up to MAX_REFRESH_GROWTH x); any change or a
         # close member: as often as refresh_every again
-        assert self.interval is not None or every
-        if self.interval is None:
-            self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
+        interval, _ = self._schedule(num_runs)
         steady = (nearest >= FAR_GAP_MARGINS * self.margin) & ~moved
-        self.interval[rows] = torch.where(
-            steady, torch.clamp(2 * self.interval[rows], max=self.max_refresh_every),
+        interval[rows] = torch.where(
+            steady, torch.clamp(2 * interval[rows], max=self.max_refresh_every),
             self.refresh_every)
         new = self.active is None or changed
         if new:  # unchanged pairs keep their tensors (a captured graph reads them)
