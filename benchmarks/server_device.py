@@ -144,15 +144,16 @@ def profile_steps(settings: Settings, spec: ModelSpec, split: Any,
 def print_table(rows: list[dict[str, Any]], cells: list[int]) -> None:
     """Fuse and optimisation seconds per variant, the speed-up over the CPU, accuracy."""
     labels = list(dict.fromkeys(r["variant"] for r in rows))
-    print(f"\n{'C':>5}" + "".join(f"{label + ' s':>14}" for label in labels)
-          + "".join(f"{label + ' x':>12}" for label in labels[1:])
-          + "".join(f"{label + ' %':>12}" for label in labels))
+    width = 2 + max(len(label) for label in labels) + 2  # "<label> s" and a gap
+    print(f"\n{'C':>5}" + "".join(f"{label + ' s':>{width}}" for label in labels)
+          + "".join(f"{label + ' x':>{width}}" for label in labels[1:])
+          + "".join(f"{label + ' %':>{width}}" for label in labels))
     for clients in cells:
         cell = {r["variant"]: r for r in rows if r["clients"] == clients}
         cpu = cell["cpu"]["fuse_s"]
-        print(f"{clients:>5}" + "".join(f"{cell[v]['fuse_s']:>14.2f}" for v in labels)
-              + "".join(f"{cpu / cell[v]['fuse_s']:>11.1f}x" for v in labels[1:])
-              + "".join(f"{100 * cell[v]['test_accuracy']:>12.2f}" for v in labels))
+        print(f"{clients:>5}" + "".join(f"{cell[v]['fuse_s']:>{width}.2f}" for v in labels)
+              + "".join(f"{cpu / cell[v]['fuse_s']:>{width - 1}.1f}x" for v in labels[1:])
+              + "".join(f"{100 * cell[v]['test_accuracy']:>{width}.2f}" for v in labels))
     if len(labels) == 1:
         print("no CUDA device: the GPU is not measured")
 
