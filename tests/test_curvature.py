@@ -249,6 +249,12 @@ def test_arrays_round_trip_bit_exact(structure, curvatures) -> None:
         assert np.array_equal(value, again[key]), key
     rebuilt = type(curv).from_arrays(arrays, curv.param_shapes, T, SIGMA2)
     assert rebuilt.precision_logdet() == curv.precision_logdet()
+    # arrays that passed the checks once decode to the same curvature without them
+    trusted = curvature_from_arrays(structure, arrays, curv.param_shapes, T, SIGMA2,
+                                    check_input=False)
+    assert trusted.precision_logdet() == curv.precision_logdet()
+    for key, value in trusted.to_arrays().items():
+        assert np.array_equal(value, arrays[key]), key
 
 
 @pytest.mark.parametrize(
@@ -285,6 +291,29 @@ def test_from_arrays_rejects_bad_arrays(structure, key, curvatures) -> None:
     bad["net.9.weight/ggn_diag"] = good[key]
     with pytest.raises(ValueError, match="unexpected arrays"):
         cls.from_arrays(bad, curv.param_shapes, T, SIGMA2)
+
+
+def test_unchecked_decoding_skips_only_the_costly_checks(curvatures) -> None:
+    """``check_input=False`` trusts a basis' orthonormality and a block's definiteness (what
+    validate_upload checked once), never keys, shapes or round-off clipping."""
+    kron = curvatures["kron"][0]
+    arrays = kron.to_arrays()
+    key = "net.3.weight/eigvecs_out"
+    skewed = {**arrays, key: arrays[key] * 0.5}
+    with pytest.raises(ValueError, match=rf"{key}.*not orthonormal"):
+        KronCurvature.from_arrays(skewed, kron.param_shapes, T, SIGMA2)
+    KronCurvature.from_arrays(skewed, kron.param_shapes, T, SIGMA2, check_input=False)
+    with pytest.raises(ValueError, match=rf"{key}.*shape"):
+        KronCurvature.from_arrays({**arrays, key: arrays[key][:-1]}, kron.param_shapes, T,
+                                  SIGMA2, check_input=False)
+    full = curvatures["diag_full"][0]
+    arrays = full.to_arrays()
+    block = arrays["net.3.weight/ggn_full"]
+    indefinite = {**arrays, "net.3.weight/ggn_full": block - 2 * np.abs(block).max()
+                  * np.eye(block.shape[0])}
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        DiagFullCurvature.from_arrays(indefinite, full.param_shapes, T, SIGMA2)
+    DiagFullCurvature.from_arrays(indefinite, full.param_shapes, T, SIGMA2, check_input=False)
 
 
 def test_negative_eigenvalues_clipped_or_rejected(curvatures) -> None:

@@ -136,6 +136,34 @@ def test_pruned_and_full_mixture_give_the_same_modes():
             torch.testing.assert_close(pruned[name], full[name], rtol=1e-9, atol=1e-10)
 
 
+def test_fusion_checks_each_uploaded_basis_once(monkeypatch):
+    """validate_upload checks every eigenvector basis of an upload; the fusion decodes the
+    same arrays without checking them again (twice was two thirds of the posterior phase at
+    C = 100), and a basis that fails the check is never fused."""
+    import fedfusion.curvature.kron as kron
+
+    uploads = [tiny_upload(c, "kron", seed=c, members=2) for c in range(3)]
+    checked: list[str] = []
+    check = kron._check_orthonormal
+
+    def counted(key: str, *args, **kwargs) -> None:
+        checked.append(key)
+        check(key, *args, **kwargs)
+
+    monkeypatch.setattr(kron, "_check_orthonormal", counted)
+    key = "net.1.weight/eigvecs_out"
+    skewed = uploads[2].members[1]["curvature.kron"]
+    skewed[key] = skewed[key] * 0.5
+    strategy = FedBEns(TINY, num_clients=3, steps=2, eval_every=1, device="cpu")
+    strategy.fuse_uploads(uploads)
+    assert [e["client"] for e in strategy.exclusions] == ["2"]
+    assert key in strategy.exclusions[0]["reason"]
+    per_member = sum("/eigvecs_" in k for k in uploads[0].members[0]["curvature.kron"])
+    # clients 0 and 1: every basis of both members once; client 2: member 0's bases, then
+    # member 1's first (the bad one); the fusion itself: none
+    assert checked.count(key) == 6 and len(checked) == 5 * per_member + 1
+
+
 def test_starting_point_is_the_per_parameter_median():
     uploads = [tiny_upload(c, "diag", seed=c, members=1) for c in range(3)]
     (start,) = FedBEns(TINY, num_clients=3, starts="median").starting_points(uploads)

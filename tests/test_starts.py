@@ -16,6 +16,7 @@ from fedfusion.strategies import FedBEns
 from fedfusion.strategies.starts import (
     clustered_starts,
     member_weights,
+    sorted_median,
     squared_distances,
     weighted_medoids,
 )
@@ -38,6 +39,21 @@ def test_squared_distances_match_the_flattened_points():
     np.testing.assert_allclose(squared_distances(points, ["a", "b"]), expected, atol=1e-12)
     only_b = ((flat[:, None, 6:] - flat[None, :, 6:]) ** 2).sum(-1)
     np.testing.assert_allclose(squared_distances(points, ["b"]), only_b, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12), seed=st.integers(0, 2**16), ties=st.booleans())
+def test_the_sorted_median_is_numpys_to_the_bit(n, seed, ties):
+    """The GPU's median starts (a sort, then the middle value or the mean of the two middle
+    ones) equal ``np.median``'s, for odd and even client counts, with ties; checked here
+    with the sort on the CPU."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(n)]
+    if ties:
+        arrays = [np.round(a) for a in arrays]
+    expected = np.median(np.stack(arrays), axis=0)
+    got = sorted_median(arrays, torch.device("cpu"))
+    assert got.dtype == expected.dtype and np.array_equal(got, expected)
 
 
 def test_separated_groups_get_one_medoid_each_at_the_weighted_centre():

@@ -42,20 +42,25 @@ def curvature_from_arrays(
     param_shapes: Mapping[str, tuple[int, ...]],
     temperature: float,
     prior_var: float,
+    *,
+    check_input: bool = True,
 ) -> Curvature:
     """Rebuild a curvature of the named ``structure`` (dispatch to ``<cls>.from_arrays``).
 
     ``param_shapes`` may be a model's :class:`~fedfusion.state.StateLayout`: the curvature
     then covers its parameters (never its buffers), and a Kron curvature must have diagonal
     blocks exactly for the parameters outside Linear / Conv2d. A plain ``{name: shape}``
-    mapping is taken to list parameters only."""
+    mapping is taken to list parameters only. ``check_input=False`` skips the costly value
+    checks for arrays that already passed them (:meth:`Curvature.from_arrays`)."""
     if structure not in CURVATURE_CLASSES:
         raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
     params = parameter_shapes(param_shapes)
     if structure == "kron" and isinstance(param_shapes, StateLayout):
         return KronCurvature.from_arrays(arrays, params, temperature, prior_var,
-                                         set(params) - kron_parameters(param_shapes))
-    return CURVATURE_CLASSES[structure].from_arrays(arrays, params, temperature, prior_var)
+                                         set(params) - kron_parameters(param_shapes),
+                                         check_input=check_input)
+    return CURVATURE_CLASSES[structure].from_arrays(arrays, params, temperature, prior_var,
+                                                    check_input=check_input)
 
 
 __all__ = [

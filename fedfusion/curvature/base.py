@@ -74,8 +74,17 @@ class Curvature(ABC):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        *,
+        check_input: bool = True,
     ) -> Curvature:
-        """Rebuild from :meth:`to_arrays`; raises ``ValueError`` naming any bad array."""
+        """Rebuild from :meth:`to_arrays`; raises ``ValueError`` naming any bad array.
+
+        ``check_input=False`` skips the checks of the values that cost more than reading
+        them (an eigenvector basis' orthonormality, a block's symmetry and definiteness), for
+        arrays that already passed them: a strategy's uploads, which
+        :func:`~fedfusion.wire.validation.validate_upload` rebuilt with the defaults. Keys and
+        shapes are still checked, and every transformation (round-off negatives clipped,
+        half-precision bases re-orthonormalised) still applies, so the result is the same."""
 
     @abstractmethod
     def precision_logdet(self) -> float:

@@ -80,7 +80,11 @@ class DiagCurvature(Curvature):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        *,
+        check_input: bool = True,
     ) -> DiagCurvature:
+        """Rebuild from :meth:`to_arrays` (``check_input``: accepted for the common
+        interface; no check of a diagonal costs more than reading it)."""
         names = list(param_shapes)
         check_unexpected(arrays, {f"{name}/ggn_diag" for name in names})
         diag = _diag_from_arrays(arrays, names, param_shapes)
@@ -104,6 +108,21 @@ def _is_psd(block: np.ndarray, tol: float) -> bool:
     shifted = torch.from_numpy(block.astype(np.float64))
     shifted = 0.5 * (shifted + shifted.T) + tol * torch.eye(block.shape[0], dtype=torch.float64)
     return torch.linalg.cholesky_ex(shifted).info.item() == 0
+
+
+def _check_symmetric_psd(key: str, block: np.ndarray) -> None:
+    """Reject a block that is not symmetric and positive semi-definite (to :data:`EIG_RTOL` of
+    its largest entry)."""
+    scale = float(np.abs(block).max()) if block.size else 0.0
+    asym = float(np.abs(block - block.T).max()) if block.size else 0.0
+    if asym > EIG_RTOL * scale:
+        raise ValueError(f"array {key!r} is not symmetric (max |H - H^T| = {asym:.3e})")
+    if scale > 0 and not _is_psd(block, EIG_RTOL * scale):
+        min_eig = float(np.linalg.eigvalsh(block.astype(np.float64)).min())
+        raise ValueError(
+            f"array {key!r} is not positive semi-definite (min eigenvalue "
+            f"{min_eig:.3e}, allowed > {-EIG_RTOL * scale:.3e})"
+        )
 
 
 def last_layer_names(param_shapes: ParamShapes) -> list[str]:
@@ -161,6 +180,8 @@ class DiagFullCurvature(Curvature):
         param_shapes: ParamShapes,
         temperature: float,
         prior_var: float,
+        *,
+        check_input: bool = True,
     ) -> DiagFullCurvature:
         last = last_layer_names(param_shapes)
         diag_names = [name for name in param_shapes if name not in last]
@@ -169,16 +190,8 @@ class DiagFullCurvature(Curvature):
         diag = _diag_from_arrays(arrays, diag_names, param_shapes)
         n = sum(math.prod(param_shapes[name]) for name in last)
         block = get_array(arrays, full_key, (n, n))
-        scale = float(np.abs(block).max()) if block.size else 0.0
-        asym = float(np.abs(block - block.T).max()) if block.size else 0.0
-        if asym > EIG_RTOL * scale:
-            raise ValueError(f"array {full_key!r} is not symmetric (max |H - H^T| = {asym:.3e})")
-        if scale > 0 and not _is_psd(block, EIG_RTOL * scale):
-            min_eig = float(np.linalg.eigvalsh(block.astype(np.float64)).min())
-            raise ValueError(
-                f"array {full_key!r} is not positive semi-definite (min eigenvalue "
-                f"{min_eig:.3e}, allowed > {-EIG_RTOL * scale:.3e})"
-            )
+        if check_input:
+            _check_symmetric_psd(full_key, block)
         return cls(diag, as_tensor(block), param_shapes, temperature, prior_var)
 
     def last_precision(self) -> torch.Tensor:

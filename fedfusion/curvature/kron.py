@@ -246,11 +246,15 @@ class KronCurvature(Curvature):
         temperature: float,
         prior_var: float,
         diagonal_params: Collection[str] | None = None,
+        *,
+        check_input: bool = True,
     ) -> KronCurvature:
         """Rebuild from :meth:`to_arrays`. A parameter with a ``"<param>/ggn_diag"`` array has a
         diagonal block, any other the four factor arrays. ``diagonal_params``, when given (the
         server knows which parameters are not Linear/Conv2d ones), is the exact set that must
-        be diagonal: a client cannot choose another structure for a layer."""
+        be diagonal: a client cannot choose another structure for a layer.
+        ``check_input=False``: the bases' orthonormality is not checked again (see
+        :meth:`Curvature.from_arrays`; two thirds of the decoding time of LeNet's factors)."""
         factors: dict[str, KronFactors] = {}
         diagonals: dict[str, torch.Tensor] = {}
         expected: set[str] = set()
@@ -277,7 +281,8 @@ class KronCurvature(Curvature):
                 rank = vecs.shape[1]
                 vals = clip_nonnegative(val_key, get_array(arrays, val_key, (rank,)))
                 q = as_tensor(vecs)
-                _check_orthonormal(vec_key, vecs, q)
+                if check_input:
+                    _check_orthonormal(vec_key, vecs, q)
                 if vecs.dtype in _HALF_DTYPES:
                     q = _orthonormalise(q)
                 tensors[f"eigvals_{side}"] = as_tensor(vals).to(q.dtype)

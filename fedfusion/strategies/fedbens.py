@@ -178,7 +178,9 @@ class FedBEns(FusionStrategy):
     # ------------------------------------------------------------------ posterior
     def build_posterior(self, uploads: Sequence[ClientUpload]) -> tuple[StackedGaussians,
                                                                         torch.Tensor]:
-        """All members of all clients as one stack, and the client index of each member."""
+        """All members of all clients as one stack, and the client index of each member.
+        ``uploads`` passed :func:`~fedfusion.wire.validation.validate_upload` (as
+        :meth:`fuse`'s did), so their curvature's values are not checked a second time."""
         spec = self.context.model_spec
         shapes = self.context.param_shapes(spec.name, spec.kwargs)
         means, curvatures, owner = [], [], []
@@ -187,7 +189,7 @@ class FedBEns(FusionStrategy):
                 means.append({k: torch.from_numpy(v) for k, v in member[WEIGHTS].items()})
                 curvatures.append(curvature_from_arrays(
                     self.structure, member[curvature_section(self.structure)], shapes,
-                    self.temperature, self.prior_var))
+                    self.temperature, self.prior_var, check_input=False))
                 owner.append(c)
         stacked = StackedGaussians.from_members(means, curvatures, self.context.device,
                                                 dtype=self.dtype)
@@ -221,7 +223,7 @@ class FedBEns(FusionStrategy):
             starts = clustered_starts(uploads, parameters, k)
         else:  # only the runs that are kept
             runs = min(per_client, self.modes) if self.modes else per_client
-            starts = per_index_starts(uploads, parameters, runs, rule)
+            starts = per_index_starts(uploads, parameters, runs, rule, self.context.device)
         return starts[: self.modes or None]
 
     # ------------------------------------------------------------------ fusion

@@ -158,7 +158,8 @@ class FedFisher(FusionStrategy):
 
     # ------------------------------------------------------------------ objective
     def build_problem(self, uploads: Sequence[ClientUpload]) -> FedFisherProblem:
-        """One stack of (w_{i,r}, H_{i,r} + damping I) per member index r."""
+        """One stack of (w_{i,r}, H_{i,r} + damping I) per member index r, from validated
+        uploads (their curvature's values are not checked a second time)."""
         spec = self.context.model_spec
         shapes = self.context.param_shapes(spec.name, spec.kwargs)
         section = curvature_section(self.structure)
@@ -167,7 +168,8 @@ class FedFisher(FusionStrategy):
             holders = [u for u in uploads if u.num_members > r]
             means = [{k: torch.from_numpy(v) for k, v in u.weights(r).items()} for u in holders]
             curvatures = [curvature_from_arrays(self.structure, u.members[r][section], shapes,
-                                                temperature=1.0, prior_var=1.0 / self.damping)
+                                                temperature=1.0, prior_var=1.0 / self.damping,
+                                                check_input=False)
                           for u in holders]
             stacks.append(StackedGaussians.from_members(means, curvatures, self.context.device,
                                                         dtype=self.dtype))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.wire import ClientUpload, NumpyDict
@@ -33,19 +34,38 @@ MAX_SWAPS = 100
 
 
 def per_index_starts(uploads: Sequence[ClientUpload], parameters: set[str], runs: int,
-                     rule: str) -> list[NumpyDict]:
+                     rule: str, device: torch.device | None = None) -> list[NumpyDict]:
     """Run r (< ``runs``) at the median (``rule="median"``) or sample-weighted average
-    (``"mean"``) over the clients that uploaded member r."""
+    (``"mean"``) over the clients that uploaded member r; medians on ``device`` when it is a
+    CUDA device (:func:`median`)."""
     starts = []
     for r in range(runs):
         holders = [u for u in uploads if u.num_members > r]
         start = weighted_average([u.weights(r) for u in holders],
                                  [u.num_examples for u in holders])
         if rule == "median":
-            start.update({name: np.median(np.stack([u.weights(r)[name] for u in holders]),
-                                          axis=0) for name in parameters})
+            start.update({name: median([u.weights(r)[name] for u in holders], device)
+                          for name in parameters})
         starts.append(start)
     return starts
+
+
+def median(arrays: Sequence[np.ndarray], device: torch.device | None = None) -> np.ndarray:
+    """Element-wise median of ``arrays``, ``np.median``'s (the mean of the two middle values
+    for an even count): by numpy on the host, or, on a CUDA ``device``, from a sort there
+    (:func:`sorted_median`; numpy's selection took 0.45 s of the GPU's 3 s fusion at
+    C = 100)."""
+    if device is None or device.type != "cuda":
+        return np.median(np.stack(arrays), axis=0)
+    return sorted_median(arrays, device)
+
+
+def sorted_median(arrays: Sequence[np.ndarray], device: torch.device) -> np.ndarray:
+    """``np.median(np.stack(arrays), axis=0)`` to the bit, from a sort on ``device``."""
+    ordered = torch.from_numpy(np.stack(arrays)).to(device).sort(dim=0).values
+    half = (len(arrays) - 1) // 2
+    middle = ordered[half] if len(arrays) % 2 else (ordered[half] + ordered[half + 1]) / 2
+    return middle.cpu().numpy()
 
 
 def member_weights(uploads: Sequence[ClientUpload]) -> np.ndarray:
