@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import PAPER_STARTS, REPO, cell, live_run
+from common import PAPER_ALGORITHM, REPO, cell, live_run
 
 RESULTS = REPO / "benchmarks" / "results" / "authors_setting.json"
 #: FedBEns before issue 16 (benchmarks/fedbens.py, the same setting)
@@ -183,7 +183,7 @@ def measure(alpha: float, seed: int, local_epochs: int, out: str) -> dict:
     start = time.perf_counter()
     results = live_run(f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
                        f"num-members=5 local-epochs={local_epochs} hessian-structure=kron "
-                       f"{PAPER_STARTS}",
+                       f"{PAPER_ALGORITHM}",
                        out, name)
     launch_s = time.perf_counter() - start
     sampler.stop.set()

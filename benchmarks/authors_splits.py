@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import PAPER_STARTS, REPO, cell
+from common import PAPER_ALGORITHM, REPO, cell
 from fedbens import (
     BASELINES,
     LABELS,
@@ -63,6 +63,8 @@ from fedbens import (
     staged_live,
     summary,
 )
+
+from fedfusion.app.config import Settings
 
 SPLITS = (REPO.parent / "shared" / "data" / "fedbens-authors-splits.npz").resolve()
 RESULTS = REPO / "benchmarks" / "results" / "authors_splits.json"
@@ -101,7 +103,7 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         f"local-epochs={args.epochs} hessian-structure=kron server-threads=1 "
         f"{members} {extra} "
         f"partition-file='{SPLITS}' partition-key='C{clients}_a{alpha:g}' "
-        f"val-source='file' {NORMS[norm]} {PAPER_STARTS}")
+        f"val-source='file' {NORMS[norm]} {PAPER_ALGORITHM}")
     if live is None:
         return None
     clients_table = live["clients"]
@@ -133,9 +135,15 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         # medians; Table 1 only, since its cost grows with (C x M)^2
         add("fedbens_members", "starts_members", strategy="fedbens", fedbens_starts="members")
     if table in ("table1", "table2"):
+        # the paper's algorithm replayed: the comparisons below need it whatever server
+        # settings the live run fused with
+        add("fedbens_paper", "paper", strategy="fedbens")
         # 2M runs from the members' K-medoids: the member starts at twice the paper's runs
         add("fedbens_clustered", "starts_clustered", strategy="fedbens",
             fedbens_starts="clustered")
+        # the library's defaults: their starts and early stop, nothing pinned
+        add("fedbens_default", "starts_default", strategy="fedbens",
+            fedbens_starts=Settings.fedbens_starts, server_patience=Settings.server_patience)
     if full:
         add("fedbens_diag_full", "diag_full", strategy="fedbens", hessian_structure="diag_full")
         for method, (changes, _, used) in BASELINES.items():
@@ -348,7 +356,6 @@ def plot(rows: list[dict], path: Path) -> None:
 def why(args: argparse.Namespace) -> None:
     """Per (alpha, seed) with both normalisations: what the input scale changes upstream of
     the server (the members and their Laplace curvature), printed and saved."""
-    from fedfusion.app.config import Settings
     from fedfusion.app.federation import federated_split
     from fedfusion.architecture import ModelSpec
     from fedfusion.curvature import curvature_from_arrays

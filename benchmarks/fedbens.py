@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import PAPER_STARTS, REPO, live_run, section_mb, wait_for_live
+from common import PAPER_ALGORITHM, REPO, live_run, section_mb, wait_for_live
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
@@ -75,6 +75,8 @@ LABELS = {
     "fedbens_noval300": "FedBEns (Kron, no validation, 300 steps)",
     "fedbens_members": "FedBEns (Kron, validation), a run from every member (C x M modes)",
     "fedbens_clustered": "FedBEns (Kron, validation), 2M runs from the members' K-medoids",
+    "fedbens_default": "FedBEns (Kron, validation), the library's defaults",
+    "fedbens_paper": "FedBEns (Kron, validation), the paper's algorithm replayed",
     "fedbens_diag": "FedBEns (diag)", "fedbens_diag_full": "FedBEns (diag + full last layer)",
     "ensemble": "uniform ensemble (C x M members)", "fedavg": "FedAvg (member 0)",
     "fedfisher_kron": "FedFisher K-FAC", "fedfisher_diag": "FedFisher diag",
@@ -91,8 +93,9 @@ def replay(out: str, name: str, tag: str, **changes: object) -> dict:
         results = json.loads(done.read_text())
         if results.get("status") == "ok":
             return results
-    # FedBEns replays are the paper's algorithm (its medians) unless they ask otherwise
-    changes = {"fedbens_starts": "median", **changes}
+    # FedBEns replays are the paper's algorithm (its medians, every step) unless they ask
+    # otherwise
+    changes = {"fedbens_starts": "median", "server_patience": 0, **changes}
     try:
         return run_server(Settings(output_dir=out, run_name=f"{name}-{tag}",
                                    replay=f"{out}/{name}/uploads", server_threads=1, **changes))
@@ -140,7 +143,7 @@ def run_cell(alpha: float, seed: int, args: argparse.Namespace) -> dict | None:
                        f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 "
                        f"num-members={args.members} local-epochs={args.epochs} "
                        f"hessian-structure=kron extra-sections='{','.join(extra)}' "
-                       f"server-threads=1 {PAPER_STARTS}")
+                       f"server-threads=1 {PAPER_ALGORITHM}")
     if live is None:
         return None
     clients = live["clients"]

@@ -12,9 +12,11 @@ server validation rows, seed 0. Stages (each resumable: a finished run is reused
   :class:`~fedfusion.app.inprocess.InProcessGrid`, no Ray) at C = 200 (M = 2) and C = 500
   (M = 1), uploads saved: Ray's per-client overhead is not what this measures.
 * ``server``: FedBEns replayed in a fresh process per cell (peak memory = its own
-  ``VmHWM``) on the first C clients of an upload set, C = 5 ... 500, with the default
-  schedule (300 steps) and with ``server-patience=2`` (stop once no run improved in 2
-  evaluations, i.e. 60 steps); server time, accuracy, the step it stopped at.
+  ``VmHWM``) on the first C clients of an upload set, C = 5 ... 500, in three
+  configurations (``SERVER_CONFIGS``): the paper's algorithm (median starts, every run all
+  300 steps), the medians with each run stopping once its validation score has not improved
+  in 2 evaluations (``server-patience=2``), and the library's defaults (2M clustered starts,
+  the same per-run stop); server time, accuracy, the step each run stopped at.
 * ``baselines``: at C = 100, FedAvg, the uniform ensemble of all C x M members, and an
   ensemble at FedBEns' inference cost (member 0 of 5 clients: 5 forward passes, as 5 modes).
 * ``fleet``: the deployment engine, ``scripts/deploy-local.sh --measure`` with 20 SuperNodes
@@ -42,7 +44,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import PAPER_STARTS, REPO, live_run, own_peak_bytes, section_mb
+from common import PAPER_ALGORITHM, PAPER_STARTS, REPO, live_run, own_peak_bytes, section_mb
 
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
@@ -50,7 +52,7 @@ from fedfusion.server_app import run_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "scale.json"
 OUT = REPO / "outputs" / "bench-scale"
-BASE = f"strategy=fedbens hessian-structure=kron alpha=0.3 seed=0 {PAPER_STARTS}"
+BASE = f"strategy=fedbens hessian-structure=kron alpha=0.3 seed=0 {PAPER_ALGORITHM}"
 #: upload set -> (clients, members, how its clients ran)
 SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process"),
         "c500_m1_s0": (500, 1, "in-process"),
@@ -59,7 +61,16 @@ SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process")
 #: server cells: (upload set, clients replayed)
 CELLS = [("c100_m5_s0", c) for c in (5, 10, 20, 40, 100)] + [("c200_m2_s0", 200),
                                                              ("c500_m1_s0", 500)]
-PATIENCE = (0, 2)
+#: server configurations: label -> run-config. The paper's algorithm (median starts, every
+#: run all 300 steps); the same starts with each run stopping once its validation score has
+#: not improved in 2 evaluations; and the library's defaults (clustered starts, 2 x M runs,
+#: the same per-run stop)
+SERVER_CONFIGS = {"paper": PAPER_ALGORITHM,
+                  "median_patience2": f"{PAPER_STARTS} server-patience=2",
+                  "defaults": ""}
+SERVER_LABELS = {"paper": "paper's algorithm (300 steps)",
+                 "median_patience2": "medians, per-run patience 2",
+                 "defaults": "defaults (2M clustered starts, patience 4)"}
 
 
 def machine_used_mb() -> float:
@@ -139,7 +150,7 @@ def stage_live(results: dict) -> None:
     for name, (clients, members, how) in SETS.items():
         if how != "flwr run":
             continue
-        if name in results["sets"]:
+        if name in results["sets"] and (OUT / name / "uploads").is_dir():
             print(f"reusing {name}")
             continue
         start = time.perf_counter()
@@ -151,12 +162,13 @@ def stage_live(results: dict) -> None:
 
 def stage_train(results: dict) -> None:
     for name, (clients, members, how) in SETS.items():
-        if how != "in-process" or name in results["sets"]:
+        if how != "in-process" or (name in results["sets"]
+                                   and (OUT / name / "uploads").is_dir()):
             continue
         print(f"training {clients} clients x {members} member(s) in process ...", flush=True)
         settings = Settings.from_mapping({
             "strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
-            "fedbens-starts": "median",
+            "fedbens-starts": "median", "server-patience": 0,
             "num-clients": clients, "num-members": members, "output-dir": str(OUT),
             "run-name": name})
         start = time.perf_counter()
@@ -178,32 +190,34 @@ print("RESULT", json.dumps({{"timing": run["timing"], "test": run["test"],
 
 
 def stage_server(results: dict) -> None:
-    done = {(c["set"], c["clients"], c["patience"]) for c in results["cells"]}
+    done = {(c["set"], c["clients"], c["config"]) for c in results["cells"]}
     for name, clients in CELLS:
         if not (OUT / name / "uploads").is_dir():
             print(f"skipping {name}: no uploads (run the live / train stage)")
             continue
-        for patience in PATIENCE:
-            if (name, clients, patience) in done:
+        for label, server_config in SERVER_CONFIGS.items():
+            if (name, clients, label) in done:
                 continue
             total = SETS[name][0]
             subset = "" if clients == total else "replay-clients='{}'".format(
                 ",".join(map(str, range(clients))))
-            config = (f"server-patience={patience} {subset} {PAPER_STARTS} "
-                      "output-dir='/tmp/fedfusion-scale' "
-                      f"run-name={name}-{clients}-p{patience}")
+            config = (f"{server_config} {subset} output-dir='/tmp/fedfusion-scale' "
+                      f"run-name={name}-{clients}-{label}")
             code = REPLAY.format(bench=str(REPO / "benchmarks"),
                                  uploads=str(OUT / name / "uploads"), config=config)
-            print(f"server: {name}, C = {clients}, patience {patience} ...", flush=True)
+            print(f"server: {name}, C = {clients}, {label} ...", flush=True)
             done_run = subprocess.run([sys.executable, "-c", code], capture_output=True,
                                       text=True, cwd=REPO, check=True)
             line = next(x for x in done_run.stdout.splitlines() if x.startswith("RESULT "))
             run = json.loads(line[len("RESULT "):])
             mixture = run["report"]["mixture"]
+            report = run["report"]
             cell = {"set": name, "clients": clients, "members": SETS[name][1],
-                    "patience": patience, "server_s": round(run["timing"]["server_fuse_s"], 2),
+                    "config": label, "starts": report["starts"],
+                    "runs": len(report["run_stops"]), "patience": report["patience"],
+                    "server_s": round(run["timing"]["server_fuse_s"], 2),
                     "test_accuracy": run["test"]["accuracy"],
-                    "stopped_at": run["report"].get("stopped_at"),
+                    "stopped_at": report.get("stopped_at"), "run_stops": report["run_stops"],
                     "refreshes": mixture.get("refreshes"),
                     "active_set_changes": mixture.get("active_set_changes"),
                     "server_peak_mb": round(run["peak_mb"])}
@@ -302,35 +316,39 @@ def stage_tables(results: dict) -> None:
               f"{row['wall_s']:.0f} s | {peak} | {row['timing']['server_fuse_s']:.1f} s | "
               f"{100 * row['test_accuracy']:.2f} | {row['upload_mb_per_client']:.2f} |")
     print()
-    print("| C | M | server s (300 steps) | accuracy | server s (patience 2) | accuracy | "
-          "stopped at | server peak MB |")
-    print("|---|---|---|---|---|---|---|---|")
-    cells = {(c["clients"], c["patience"]): c for c in results["cells"]}
+    print("| C | M | " + " | ".join(f"{SERVER_LABELS[k]}: server s | accuracy"
+                                     for k in SERVER_CONFIGS) + " | server peak MB |")
+    print("|---|---|" + "---|---|" * len(SERVER_CONFIGS) + "---|")
+    cells = {(c["clients"], c["config"]): c for c in results["cells"]}
     for clients in sorted({c for c, _ in cells}):
-        full, early = cells.get((clients, 0)), cells.get((clients, 2))
-        if not full or not early:
+        row = [cells.get((clients, k)) for k in SERVER_CONFIGS]
+        if None in row:
             continue
-        print(f"| {clients} | {full['members']} | {full['server_s']:.1f} | "
-              f"{100 * full['test_accuracy']:.2f} | {early['server_s']:.1f} | "
-              f"{100 * early['test_accuracy']:.2f} | {early['stopped_at'] or 300} | "
-              f"{max(full['server_peak_mb'], early['server_peak_mb'])} |")
-    fedbens = next((c for c in results["cells"] if c["clients"] == 100), None)
+        print(f"| {clients} | {row[0]['members']} | " + " | ".join(
+            f"{c['server_s']:.1f} | {100 * c['test_accuracy']:.2f}" for c in row)
+            + f" | {max(c['server_peak_mb'] for c in row)} |")
+    fedbens = cells.get((100, "paper"))
     if results.get("baselines_c100") and fedbens:
         print()
         print("| method (C = 100) | forward passes per input | test accuracy |")
         print("|---|---|---|")
-        print(f"| FedBEns, 5 modes | 5 | {100 * fedbens['test_accuracy']:.2f} |")
+        print(f"| FedBEns, the paper's algorithm: 5 modes | 5 | "
+              f"{100 * fedbens['test_accuracy']:.2f} |")
+        defaults = cells.get((100, "defaults"))
+        if defaults:
+            print(f"| FedBEns, the defaults: {defaults['runs']} modes | {defaults['runs']} | "
+                  f"{100 * defaults['test_accuracy']:.2f} |")
         for name, row in results["baselines_c100"].items():
             print(f"| {BASELINE_LABELS[name]} | {row['forward_passes']} | "
                   f"{100 * row['test_accuracy']:.2f} |")
     slopes = {}
-    for patience in PATIENCE:
+    for label in SERVER_CONFIGS:
         points = [(c["clients"] * c["members"], c["server_s"]) for c in results["cells"]
-                  if c["patience"] == patience]
+                  if c["config"] == label]
         if len(points) >= 2:
-            slopes[patience] = loglog_slope(points)
-            print(f"log-log slope of server time against C x M (patience {patience}): "
-                  f"{slopes[patience]:.2f}")
+            slopes[label] = loglog_slope(points)
+            print(f"log-log slope of server time against C x M ({SERVER_LABELS[label]}): "
+                  f"{slopes[label]:.2f}")
     results["loglog_slope_vs_components"] = slopes
     save(results)
     plot(results)
@@ -345,8 +363,8 @@ def plot(results: dict) -> None:
         print("matplotlib is not installed: no plot")
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for patience, label in ((0, "300 steps"), (2, "patience 2")):
-        cells = sorted((c for c in results["cells"] if c["patience"] == patience),
+    for key, label in SERVER_LABELS.items():
+        cells = sorted((c for c in results["cells"] if c["config"] == key),
                        key=lambda c: c["clients"])
         xs = [c["clients"] for c in cells]
         left.loglog(xs, [c["server_s"] for c in cells], "o-", label=label)
@@ -355,8 +373,9 @@ def plot(results: dict) -> None:
     left.set(xlabel="clients C (M = 5 up to 100, 2 at 200, 1 at 500)",
              ylabel="FedBEns server fusion, s (2 cores)")
     right.set(xlabel="clients C", ylabel="test accuracy %")
-    for axis in (left, right):
-        axis.legend()
+    left.set_ylim(bottom=0.5)  # room for the legend below the curves
+    for axis, corner in ((left, "lower right"), (right, "lower left")):
+        axis.legend(loc=corner, fontsize="small")
         axis.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS.with_suffix(".png"), dpi=120)

@@ -8,15 +8,16 @@ their share of the clients (:class:`~fedfusion.app.inprocess.InProcessGrid`; the
 clients' nodes fail in that process and are left out of its round).
 
 Each cell fuses the first C clients' uploads (as ``scale.py``'s server stage does) with the
-library's ``FedBEns`` (the paper's median starts, 300 Adam steps, the 500-row validation set)
+library's ``FedBEns`` (the paper's algorithm: median starts, 300 Adam steps for every run;
+the 500-row validation set)
 on ``cpu`` (every core) and on ``cuda``, in this process, after a warm-up fusion on each
 device: the fusion's time and its phases (stacking the posterior, the starts, the
 optimisation), and the test accuracy of the fused ensemble; the GPU both with its steps as
-CUDA graphs (the default) and eager. ``--clustered`` adds the GPU with
-``fedbens-starts=clustered``; ``--profile`` ``torch.profiler``'s table of 20 optimiser steps
-at the largest C on the GPU.
+CUDA graphs (the default) and eager. ``--defaults`` adds each device with the library's
+defaults (clustered starts, each run stopping once its score stalls); ``--profile``
+``torch.profiler``'s table of 20 optimiser steps at the largest C on the GPU.
 
-    python benchmarks/server_device.py [--cells 5,40,100] [--workers N] [--clustered] [--profile]
+    python benchmarks/server_device.py [--cells 5,40,100] [--workers N] [--defaults] [--profile]
 
 Prints a table and saves ``benchmarks/results/server_device.json``. Without a CUDA device it
 measures the CPU alone and says so.
@@ -49,7 +50,8 @@ RESULTS = REPO / "benchmarks" / "results" / "server_device.json"
 UPLOADS = REPO / "outputs" / "bench-scale" / "c100_m5_s0" / "uploads"
 #: the upload set's run config (benchmarks/scale.py's "c100_m5_s0")
 RUN_CONFIG = {"strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
-              "num-clients": 100, "num-members": 5, "fedbens-starts": "median"}
+              "num-clients": 100, "num-members": 5, "fedbens-starts": "median",
+              "server-patience": 0}
 
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +112,8 @@ def fuse_cell(settings: Settings, spec: ModelSpec, split: Any, uploads: list[Cli
             "clients": len(uploads), "fuse_s": strategy.fuse_seconds,
             "phases_s": report.get("phase_seconds", {}), "test_accuracy": metrics["accuracy"],
             "excluded": len(strategy.exclusions),
-            "refreshes": mixture.get("refreshes"), "active_pairs": mixture.get("active_pairs")}
+            "refreshes": mixture.get("refreshes"), "active_pairs": mixture.get("active_pairs"),
+            "starts": report.get("starts"), "run_stops": report.get("run_stops")}
 
 
 def profile_steps(settings: Settings, spec: ModelSpec, split: Any,
@@ -154,7 +157,7 @@ def print_table(rows: list[dict[str, Any]], cells: list[int]) -> None:
         print(f"{clients:>5}" + "".join(f"{cell[v]['fuse_s']:>{width}.2f}" for v in labels)
               + "".join(f"{cpu / cell[v]['fuse_s']:>{width - 1}.1f}x" for v in labels[1:])
               + "".join(f"{100 * cell[v]['test_accuracy']:>{width}.2f}" for v in labels))
-    if len(labels) == 1:
+    if not any(r["device"] == "cuda" for r in rows):
         print("no CUDA device: the GPU is not measured")
 
 
@@ -168,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-subset", type=int, default=0, help="clients trained here")
     parser.add_argument("--out", default=str(Path.home() / "fedfusion-outputs" / "server_device"))
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--clustered", action="store_true",
-                        help="also fuse with fedbens-starts=clustered on the GPU")
+    parser.add_argument("--defaults", action="store_true",
+                        help="also fuse with the library's defaults (clustered starts, "
+                             "per-run early stop) on each device")
     parser.add_argument("--train-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.train_part:
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.uploads).is_dir():
         run_config, uploads, failures = load_uploads(args.uploads, strict=True)
         source = f"{args.uploads} (benchmarks/scale.py)"
-        settings = Settings.from_mapping({**run_config, "fedbens-starts": "median"})
+        settings = Settings.from_mapping({**run_config, "fedbens-starts": "median",
+                                          "server-patience": 0})
     else:
         uploads = train_uploads(Path(args.out), args.workers, args)
         source = f"trained here by {args.workers} processes"
@@ -196,8 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("cpu", "cpu", {})] + ([("gpu", "cuda", {}), ("gpu eager", "cuda",
                                                              {"server_cuda_graphs": False})]
                                        if "cuda" in devices else [])
-    if args.clustered and "cuda" in devices:  # 2M runs from the K-medoids, on the GPU
-        variants.append(("gpu clustered", "cuda", {"fedbens_starts": "clustered"}))
+    if args.defaults:  # clustered starts, each run stopping on its own
+        defaults = {"fedbens_starts": Settings.fedbens_starts,
+                    "server_patience": Settings.server_patience}
+        variants += [(f"{label} defaults", device, defaults)
+                     for label, device in (("cpu", "cpu"), ("gpu", "cuda")) if device in devices]
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     print(f"devices: {devices}; CPU threads {threads}"

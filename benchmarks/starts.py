@@ -5,10 +5,12 @@ sigma^2 = 0.1, 20 local epochs): Table 1's seed-0 cells (C = 5, the authors' spl
 input normalisation), Table 2's seed-0 cells (C = 10 / 20 / 40, alpha 0.3) from
 ``authors_splits.py``, and the C = 100 run of ``scale.py``. Stages (each resumable):
 
-* ``cost`` (run it on a quiet machine): FedBEns replayed in a fresh process with one thread,
-  starts ``median`` (the paper's algorithm: M runs from the per-member medians) against
-  ``clustered`` (2M runs from the members' weighted K-medoids); server seconds, accuracy,
-  and their ratio.
+* ``cost`` (run it on a quiet machine): FedBEns replayed in a fresh process with one thread
+  in three configurations (``COST_CONFIGS``): the paper's algorithm (M runs from the
+  per-member medians, every run all its steps), ``clustered`` (2M runs from the members'
+  weighted K-medoids, every run all its steps) and the library's defaults (the clustered
+  starts, each run stopping once its validation score stalls: ``server-patience``); server
+  seconds, accuracy, and the ratios to the paper's cost.
 * ``gap``: why the uniform ensemble of the C x M members beats the fused modes, on three
   upload sets (C = 5 alpha 0.4, C = 40, C = 100), for K = M, 2M (and 4M where C x M allows)
   clustered starts: the accuracy of the K modes' ensemble, of the ensemble of the K start
@@ -16,10 +18,10 @@ input normalisation), Table 2's seed-0 cells (C = 10 / 20 / 40, alpha 0.3) from
   members, the mean accuracy of one mode and of one member, and the diversity (mean
   pairwise disagreement of the arg-max predictions on the test set) of the modes against
   that of the start members.
-* ``tables``: print both, with the accuracy of the three start rules (the paper's medians,
-  every member, clustered) on the Table 1 cells of seeds 0-1 that
-  ``authors_splits.py table1 --seeds 0,1 --norms mnist --only fedbens_clustered,
-  fedbens_members`` ran; save ``benchmarks/results/starts.json``.
+* ``tables``: print both, with the accuracy of the paper's medians, every member, clustered
+  and the defaults on the Table 1 cells of seeds 0-1 that ``authors_splits.py table1 --seeds
+  0,1 --norms mnist --only fedbens_paper,fedbens_clustered,fedbens_members,fedbens_default``
+  ran; save ``benchmarks/results/starts.json``.
 
     .venv/bin/python benchmarks/starts.py cost
     .venv/bin/python benchmarks/starts.py gap
@@ -61,8 +63,11 @@ REPLAY = """
 import json, sys
 from fedfusion.app.replay import replay
 run = replay({uploads!r}, "fedbens", {config!r})
+report = run["strategy_report"]
 print("RESULT", json.dumps({{"server_s": run["timing"]["server_fuse_s"],
-                            "accuracy": run["test"]["accuracy"]}}))
+                            "accuracy": run["test"]["accuracy"], "starts": report["starts"],
+                            "runs": len(report["run_stops"]), "steps": report["steps"],
+                            "run_stops": report["run_stops"]}}))
 """
 
 
@@ -75,7 +80,16 @@ def save(results: dict) -> None:
 
 
 def starts_config(rule: str, k: int = 0) -> str:
-    return f"fedbens-starts='{rule}' fedbens-num-starts={k} server-threads=1"
+    """A start rule with every run taking all its steps (no early stop), one thread."""
+    return (f"fedbens-starts='{rule}' fedbens-num-starts={k} server-patience=0 "
+            "server-threads=1")
+
+
+#: the server configurations the cost stage compares: the paper's algorithm, the clustered
+#: starts on the same schedule, and the library's defaults (clustered starts, each run
+#: stopping on its own once its validation score stalls)
+COST_CONFIGS = {"median": starts_config("median"), "clustered": starts_config("clustered"),
+                "default": "server-threads=1"}
 
 
 def stage_cost(results: dict) -> None:
@@ -83,11 +97,12 @@ def stage_cost(results: dict) -> None:
         if not uploads.is_dir():
             print(f"skipping {name}: no uploads at {uploads}")
             continue
-        for rule in ("median", "clustered"):
+        for rule, rule_config in COST_CONFIGS.items():
             if rule in results["cost"].get(name, {}):
                 continue
-            config = f"{starts_config(rule)} output-dir='/tmp/fedfusion-starts' run-name={name}"
-            print(f"cost: {name}, starts {rule} ...", flush=True)
+            config = (f"{rule_config} output-dir='/tmp/fedfusion-starts' "
+                      f"run-name={name}-{rule}")
+            print(f"cost: {name}, {rule} ...", flush=True)
             done = subprocess.run([sys.executable, "-c", REPLAY.format(
                 uploads=str(uploads), config=config)], capture_output=True, text=True,
                 cwd=REPO, check=True)
@@ -170,14 +185,15 @@ def read_accuracy(folder: Path) -> float | None:
 
 
 def stage_table1(results: dict) -> None:
-    """Table 1's cells that ``authors_splits.py table1 --norms mnist`` ran (live run = the
-    paper's algorithm; its replays ``starts_members`` and ``starts_clustered``)."""
+    """Table 1's cells that ``authors_splits.py table1 --norms mnist`` ran: its replays
+    ``paper`` (the paper's algorithm), ``starts_members``, ``starts_clustered`` and
+    ``starts_default``."""
     for seed in (0, 1):
         for alpha in (0.05, 0.1, 0.2, 0.4):
             cell = f"C5_a{alpha:g}-s{seed}-mnist"
             accuracy = {rule: read_accuracy(SPLITS_OUT / (cell + suffix)) for rule, suffix in
-                        (("median", ""), ("members", "-starts_members"),
-                         ("clustered", "-starts_clustered"))}
+                        (("median", "-paper"), ("members", "-starts_members"),
+                         ("clustered", "-starts_clustered"), ("default", "-starts_default"))}
             if all(v is not None for v in accuracy.values()):
                 results.setdefault("table1", {})[cell] = accuracy
 
@@ -186,33 +202,40 @@ def stage_tables(results: dict) -> None:
     stage_table1(results)
     if results.get("table1"):
         print("| Table 1 cell (C = 5) | paper's algorithm (5 runs) | member starts (25 runs) | "
-              "clustered (10 runs) | clustered - members |")
-        print("|---|---|---|---|---|")
+              "clustered (10 runs) | defaults (10 runs, patience) | defaults - members | "
+              "defaults - paper |")
+        print("|---|---|---|---|---|---|---|")
         for cell, acc in results["table1"].items():
             print(f"| {cell} | {100 * acc['median']:.2f} | {100 * acc['members']:.2f} | "
-                  f"{100 * acc['clustered']:.2f} | "
-                  f"{100 * (acc['clustered'] - acc['members']):+.2f} |")
-        for other in ("members", "median"):
-            diffs = [100 * (a["clustered"] - a[other]) for a in results["table1"].values()]
-            print(f"clustered - {other}: mean {statistics.mean(diffs):+.2f}, better in "
-                  f"{sum(d > 0 for d in diffs)} of {len(diffs)}, {min(diffs):+.2f} to "
-                  f"{max(diffs):+.2f}")
+                  f"{100 * acc['clustered']:.2f} | {100 * acc['default']:.2f} | "
+                  f"{100 * (acc['default'] - acc['members']):+.2f} | "
+                  f"{100 * (acc['default'] - acc['median']):+.2f} |")
+        for rule in ("clustered", "default"):
+            for other in ("members", "median"):
+                diffs = [100 * (a[rule] - a[other]) for a in results["table1"].values()]
+                print(f"{rule} - {other}: mean {statistics.mean(diffs):+.2f}, better in "
+                      f"{sum(d > 0 for d in diffs)} of {len(diffs)}, {min(diffs):+.2f} to "
+                      f"{max(diffs):+.2f}")
         print()
-    print("| upload set | C | paper's algorithm (M runs) | clustered (2M runs) | server s "
-          "(paper) | server s (clustered) | cost ratio |")
-    print("|---|---|---|---|---|---|---|")
-    ratios = []
+    print("| upload set | C | paper's algorithm: acc | s | clustered, 300 steps: acc | s | x | "
+          "defaults: acc | s | x |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios: dict[str, list[float]] = {"clustered": [], "default": []}
     for name, cost in results["cost"].items():
-        if "median" not in cost or "clustered" not in cost:
+        if any(rule not in cost for rule in COST_CONFIGS):
             continue
-        median, clustered = cost["median"], cost["clustered"]
-        ratio = clustered["server_s"] / median["server_s"]
-        ratios.append(ratio)
-        print(f"| {name} | {SETS[name][0]} | {100 * median['accuracy']:.2f} | "
-              f"{100 * clustered['accuracy']:.2f} | {median['server_s']:.1f} | "
-              f"{clustered['server_s']:.1f} | {ratio:.2f} |")
-    if ratios:
-        print(f"cost ratio clustered / paper: max {max(ratios):.2f}")
+        paper = cost["median"]["server_s"]
+        cells = []
+        for rule in COST_CONFIGS:
+            acc, secs = 100 * cost[rule]["accuracy"], cost[rule]["server_s"]
+            cells.append(f"{acc:.2f} | {secs:.1f}")
+            if rule != "median":
+                ratios[rule].append(secs / paper)
+                cells[-1] += f" | {secs / paper:.2f}"
+        print(f"| {name} | {SETS[name][0]} | " + " | ".join(cells) + " |")
+    for rule, values in ratios.items():
+        if values:
+            print(f"cost ratio {rule} / paper: max {max(values):.2f}")
     print()
     print("| upload set | K | FedBEns (K modes) | ensemble of the K start members | one mode "
           "(mean) | disagreement of the modes | of the start members | all C x M members | "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
 
-from fedfusion.curvature import fit_curvature
+from fedfusion.curvature import MixtureObjective, fit_curvature
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
@@ -84,8 +86,8 @@ def test_batched_runs_equal_separate_runs():
 
 
 def test_patience_stops_the_runs_and_keeps_each_best_iterate():
-    """``patience`` stops once no run improved in that many evaluations, keeping the best
-    iterate so far: here the objective (the score without a validation set) rises for 60
+    """``patience`` stops a run once it has not improved in that many evaluations, keeping
+    its best iterate so far: here the objective (the score without a validation set) rises for 60
     steps, then flips sign. Patience 2 stops at step 80 (evaluations at 70 and 80 brought
     nothing) with the step-60 iterate; without patience the runs go on and pick the later,
     better iterate of the flipped objective (the case where stopping changes the result)."""
@@ -116,6 +118,52 @@ def test_patience_stops_the_runs_and_keeps_each_best_iterate():
             if name in dict(TINY.build().named_parameters()):
                 assert 0.5 < float(delta.mean()) < 0.65, name
         assert not all(torch.equal(best[2][r][k], best[0][r][k]) for k in best[2][r])
+
+
+def stopping_federation(**kwargs: object) -> tuple[list[ClientUpload], Callable[[], FedBEns]]:
+    """2 tiny clients x 3 members, and a FedBEns (member starts, validation, patience 2,
+    float64; ``kwargs`` more) whose 6 runs stop at different steps (10 to 50)."""
+    uploads = [tiny_upload(c, "kron", seed=c, members=3) for c in range(2)]
+    g = torch.Generator().manual_seed(5)
+    x_val = torch.randn(60, 1, 4, 4, generator=g)
+    y_val = x_val.flatten(1)[:, :3].argmax(1) % 3
+
+    def strategy() -> FedBEns:
+        return FedBEns(TINY, num_clients=2, val=(x_val, y_val), steps=150, eval_every=5,
+                       lr=0.02, patience=2, starts="members", dtype=torch.float64, **kwargs)
+
+    return uploads, strategy
+
+
+def test_patience_stops_each_run_alone_and_the_others_go_on_exactly():
+    """Per-run patience on a real tiny federation with a validation set: each run stops at
+    its own step (they differ here), leaves the batch (the objective's per-run state
+    shrinks), and every run ends where it ends optimised alone with the same patience, and
+    where it ends when the stopped runs stay in the batch (an objective that cannot drop
+    runs: they are moved but no longer scored)."""
+    uploads, strategy = stopping_federation()
+
+    together = strategy()
+    stacked, owner = together.build_posterior(uploads)
+    starts = together.starting_points(uploads)
+    modes = together.optimise(starts, stacked, owner, 2)
+    stops = together.optimiser.run_stops
+    assert len(starts) == 6 and None not in stops and len(set(stops)) > 1
+    assert together.optimiser.stopped_at == max(stops) < 150
+    assert together.mixture.active.shape[0] < 6  # stopped runs left the batch
+    for r, start in enumerate(starts):
+        alone = strategy()
+        (mode,) = alone.optimise([start], stacked, owner, 2)
+        assert alone.optimiser.run_stops == [stops[r]]
+        for name in mode:
+            torch.testing.assert_close(modes[r][name], mode[name], rtol=1e-9, atol=1e-10)
+    kept_in = strategy()
+    mixture = MixtureObjective(stacked, owner, 2, kept_in.prior_var)
+    in_batch = kept_in.optimiser.maximise(lambda w: mixture(w), starts, kept_in.context)
+    assert kept_in.optimiser.run_stops == stops
+    for mode, other in zip(modes, in_batch, strict=True):
+        for name in mode:
+            torch.testing.assert_close(mode[name], other[name], rtol=1e-9, atol=1e-10)
 
 
 def test_pruned_and_full_mixture_give_the_same_modes():
@@ -219,26 +267,26 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
 @pytest.mark.parametrize("name, kwargs, rule", [
     ("bn_cnn", {"width": 4}, "mean"),  # BatchNorm running statistics: per-member averages
     ("resnet20", {"blocks": 1}, "mean"),
-    ("resnet20", {"blocks": 1, "norm": "none"}, "median"),  # the paper's rule otherwise
-    ("ln_mlp", {"width": 8, "layers": 1}, "median"),  # LayerNorm keeps no statistics
+    ("resnet20", {"blocks": 1, "norm": "none"}, "clustered"),  # representative members else
+    ("ln_mlp", {"width": 8, "layers": 1}, "clustered"),  # LayerNorm keeps no statistics
 ])
-def test_auto_starts_are_the_means_with_batchnorm_and_the_medians_without(name, kwargs, rule):
+def test_auto_starts_are_the_means_with_batchnorm_and_clustered_members_without(name, kwargs,
+                                                                                rule):
     spec = ModelSpec(name, (1, 8, 8), 3, kwargs)
     g = torch.Generator().manual_seed(0)
     base = spec.build().state_dict()
     uploads = [ClientUpload(c, name, kwargs, 10 + 40 * c, [{"weights": {
         k: (v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v).numpy()
-        for k, v in base.items()}}]) for c in range(3)]
+        for k, v in base.items()}} for _ in range(2)]) for c in range(3)]
     auto = FedBEns(spec, num_clients=3, starts="auto")
     starts = auto.starting_points(uploads)
     expected = FedBEns(spec, num_clients=3, starts=rule).starting_points(uploads)
-    (other,) = FedBEns(spec, num_clients=3, starts={"mean": "median", "median": "mean"}[rule]
-                       ).starting_points(uploads)
-    assert len(starts) == len(expected) == 1
+    # 2 runs from the per-member means, or 2 x 2 of the 6 members
+    assert len(starts) == len(expected) == {"mean": 2, "clustered": 4}[rule]
     for start, wanted in zip(starts, expected, strict=True):
+        assert start.keys() == wanted.keys()
         for key, value in wanted.items():
             np.testing.assert_array_equal(start[key], value)
-    assert any(not np.array_equal(starts[0][k], other[k]) for k in other)  # rules differ here
     assert auto.report()["starts"] == rule
 
 

@@ -182,5 +182,5 @@ def test_start_returns_a_result_flower_code_can_use():
     result = FedBEns(SmallCNN, num_clients=3, num_members=2, steps=4, eval_every=2).start(
         LocalGrid(app, num_nodes=3))
     modes = decode_models(result.arrays)  # several models: the documented encoding
-    assert len(modes) == len(result.predictor.members) == 2
+    assert len(modes) == len(result.predictor.members) == 4  # 2 x M clustered runs
     assert result.predictor is not None

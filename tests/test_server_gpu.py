@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fedbens import TINY, tiny_upload
+from test_fedbens import TINY, stopping_federation, tiny_upload
 
 from fedfusion.strategies import FedBEns
 
@@ -34,3 +34,23 @@ def test_graph_steps_match_eager_steps_and_the_cpu():
         for name in g:
             torch.testing.assert_close(g[name].cpu(), e[name].cpu(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(g[name].cpu(), c[name].cpu(), rtol=1e-3, atol=1e-4)
+
+
+def test_runs_that_stop_leave_the_graph_and_the_rest_match_eager_and_the_cpu():
+    """Per-run patience on the GPU: the runs stop at the CPU's steps, the graph is captured
+    again for the smaller batch, and every mode matches the eager steps and the CPU."""
+    results = {}
+    for device, graphs in (("cuda", True), ("cuda", False), ("cpu", False)):
+        uploads, strategy_fn = stopping_federation(device=device, cuda_graphs=graphs)
+        strategy = strategy_fn()
+        stacked, owner = strategy.build_posterior(uploads)
+        modes = strategy.optimise(strategy.starting_points(uploads), stacked, owner, 2)
+        results[device, graphs] = modes, strategy.optimiser
+    graphed, optimiser = results["cuda", True]
+    assert len(set(optimiser.run_stops)) > 1
+    assert optimiser.graph_captures >= 2  # captured again once runs left the batch
+    for other, other_optimiser in (results["cuda", False], results["cpu", False]):
+        assert other_optimiser.run_stops == optimiser.run_stops
+        for mode, wanted in zip(graphed, other, strict=True):
+            for name in mode:
+                torch.testing.assert_close(mode[name], wanted[name], rtol=1e-7, atol=1e-9)

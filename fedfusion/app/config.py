@@ -88,7 +88,7 @@ class Settings:
     server_lr: float = 0.001
     server_clip: float = 1.0
     server_eval_every: int = 30
-    server_patience: int = 0
+    server_patience: int = 4
     server_validation: bool = True
     server_cuda_graphs: bool = True
     round_timeout: float = 3600.0

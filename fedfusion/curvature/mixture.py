@@ -732,6 +732,8 @@ class MixtureObjective:
         self.next_refresh: torch.Tensor | None = None
         self.active: torch.Tensor | None = None
         self.calls = self.refreshes = self.set_changes = self.runs_refreshed = 0
+        #: the runs of the first call (before any :meth:`keep_runs`)
+        self.num_runs = 0
         self.min_excluded_gap = math.inf
         self.active_pairs: list[int] = []
 
@@ -755,6 +757,7 @@ class MixtureObjective:
     def _schedule(self, num_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each run's refresh interval and next refresh call (formed at the first use)."""
         if self.interval is None or self.next_refresh is None:
+            self.num_runs = num_runs
             self.interval = torch.full((num_runs,), self.refresh_every, dtype=torch.long)
             self.next_refresh = torch.zeros(num_runs, dtype=torch.long)
         return self.interval, self.next_refresh
@@ -816,6 +819,17 @@ class MixtureObjective:
         self.active_pairs.append(int(active.sum()))
         return new
 
+    def keep_runs(self, rows: Sequence[int]) -> None:
+        """Keep the per-run state (refresh schedule, active pairs) of the runs ``rows`` only,
+        in that order: the optimiser drops runs that stopped, and each run's pairs are its
+        own, so the runs kept are evaluated exactly as before."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        if self.interval is not None and self.next_refresh is not None:
+            self.interval, self.next_refresh = self.interval[index], self.next_refresh[index]
+        if self.active is not None:
+            self.active = self.active[index.to(self.active.device)]
+            self.pairs = torch.nonzero(self.active, as_tuple=True)
+
     def report(self) -> dict[str, float | int | list[int]]:
         return {"prune_margin": self.margin, "refresh_every": self.refresh_every,
                 "max_refresh_every": self.max_refresh_every,
@@ -823,5 +837,4 @@ class MixtureObjective:
                 "runs_refreshed": self.runs_refreshed,
                 "min_excluded_gap_nats": self.min_excluded_gap,
                 "active_pairs": sorted(set(self.active_pairs)),
-                "all_pairs": int(self.client.numel()) * (
-                    0 if self.active is None else int(self.active.shape[0]))}
+                "all_pairs": int(self.client.numel()) * self.num_runs}
