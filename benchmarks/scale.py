@@ -70,7 +70,8 @@ SERVER_CONFIGS = {"paper": PAPER_ALGORITHM,
                   "defaults": ""}
 SERVER_LABELS = {"paper": "paper's algorithm (300 steps)",
                  "median_patience2": "medians, per-run patience 2",
-                 "defaults": "defaults (2M clustered starts, patience 4)"}
+                 "defaults": "defaults (2M clustered starts, patience "
+                             f"{Settings.server_patience})"}
 
 
 def machine_used_mb() -> float:
@@ -210,8 +211,8 @@ def stage_server(results: dict) -> None:
                                       text=True, cwd=REPO, check=True)
             line = next(x for x in done_run.stdout.splitlines() if x.startswith("RESULT "))
             run = json.loads(line[len("RESULT "):])
-            mixture = run["report"]["mixture"]
             report = run["report"]
+            mixture = report["mixture"]
             cell = {"set": name, "clients": clients, "members": SETS[name][1],
                     "config": label, "starts": report["starts"],
                     "runs": len(report["run_stops"]), "patience": report["patience"],

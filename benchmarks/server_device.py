@@ -49,9 +49,10 @@ from fedfusion.wire import ClientUpload  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "server_device.json"
 UPLOADS = REPO / "outputs" / "bench-scale" / "c100_m5_s0" / "uploads"
 #: the upload set's run config (benchmarks/scale.py's "c100_m5_s0")
+#: the paper's algorithm: median starts, every run all its steps
+PAPER_SERVER = {"fedbens-starts": "median", "server-patience": 0}
 RUN_CONFIG = {"strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
-              "num-clients": 100, "num-members": 5, "fedbens-starts": "median",
-              "server-patience": 0}
+              "num-clients": 100, "num-members": 5, **PAPER_SERVER}
 
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.uploads).is_dir():
         run_config, uploads, failures = load_uploads(args.uploads, strict=True)
         source = f"{args.uploads} (benchmarks/scale.py)"
-        settings = Settings.from_mapping({**run_config, "fedbens-starts": "median",
-                                          "server-patience": 0})
+        settings = Settings.from_mapping({**run_config, **PAPER_SERVER})
     else:
         uploads = train_uploads(Path(args.out), args.workers, args)
         source = f"trained here by {args.workers} processes"
