@@ -33,11 +33,14 @@ from fedfusion.curvature.fit import uses_laplace
 from fedfusion.evaluation import LabelledData, as_labelled
 from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
 from fedfusion.state import load_state_arrays
+from fedfusion.strategies.fens import client as fens_client
+from fedfusion.strategies.fens.client import is_aggregator_round
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 
 log = logging.getLogger("fedfusion")
 
-__all__ = ["broadcast_states", "initial_models", "make_upload", "reply", "requested_sections"]
+__all__ = ["aggregator_reply", "broadcast_states", "initial_models", "is_aggregator_round",
+           "make_upload", "reply", "requested_sections"]
 
 
 def _content(msg: Message | RecordDict) -> RecordDict:
@@ -223,3 +226,12 @@ def reply(
         client_id=msg.metadata.dst_node_id if client_id is None else client_id,
         model_name=model_name, model_kwargs=model_kwargs, **kwargs)
     return Message(content=encode_upload(upload), reply_to=msg)
+
+
+def aggregator_reply(msg: Message, state: RecordDict, model_fn: Callable[[], nn.Module],
+                     x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Message:
+    """The reply to one of FENS' aggregator rounds (:func:`is_aggregator_round`): the
+    server's aggregator trained on the rows ``(x, y)`` this client held out of its local
+    training (``state``: the node's ``context.state``, where the models' outputs on them
+    are kept between rounds). See :mod:`fedfusion.strategies.fens.client`."""
+    return fens_client.reply(msg, state, model_fn, x, y, seed)

@@ -45,11 +45,13 @@ from torch import nn
 
 from fedfusion import setup_logging
 from fedfusion.app.config import ConfigError, Settings, default_model
-from fedfusion.app.federation import client_for_partition, federated_split
+from fedfusion.app.federation import client_for_partition, federated_split, holdout_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.datasets.local_file import LocalDataError, normalise, read_local_data
+from fedfusion.strategies.fens import HOLDOUT_KEY
+from fedfusion.strategies.fens import client as fens_client
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 
@@ -219,6 +221,10 @@ def run_client(
     started = time.perf_counter()
     data = training_data(settings, client_id, server_config)
     x, y = data.x, data.y
+    holdout = float((server_config or {}).get(HOLDOUT_KEY, 0.0))
+    if holdout > 0:  # rows kept for a later phase (FENS' aggregator), not trained on
+        keep, _ = holdout_split(len(y), holdout, settings.data_seed, client_id)
+        x, y = x[keep], y[keep]
     load_s = time.perf_counter() - started  # ~0 after this process's first client
     spec = ModelSpec(default_model(settings, data.input_shape), data.input_shape,
                      data.num_classes, settings.parsed_model_kwargs())
@@ -305,6 +311,8 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
     if config.get("partition-sha256"):
         # the server's partition file: refuse to train on a copy that differs from it
         settings = settings.replace(partition_sha256=str(config["partition-sha256"]))
+    if fens_client.is_aggregator_round(content):
+        return aggregator_round(settings, client_id, content, state)
     objective = LocalObjective.from_config(config)
     contrastive = objective.contrastive_weight > 0
     previous = []
@@ -319,6 +327,19 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
             state[previous_key(m)] = ArrayRecord(
                 {k: Array(np.ascontiguousarray(v)) for k, v in upload.weights(m).items()})
     return encode_upload(upload)
+
+
+def aggregator_round(settings: Settings, client_id: int, content: RecordDict,
+                     state: RecordDict) -> RecordDict:
+    """FENS' aggregator round on the rows this client held out of its local training."""
+    config = content["config"]
+    data = training_data(settings, client_id, config)
+    _, held = holdout_split(len(data.y), float(config[HOLDOUT_KEY]), settings.data_seed,
+                            client_id)
+    spec = ModelSpec(default_model(settings, data.input_shape), data.input_shape,
+                     data.num_classes, settings.parsed_model_kwargs())
+    return fens_client.aggregator_round(content, state, spec.build, data.x[held],
+                                        data.y[held], seed=member_seed(settings, client_id, 0, 0))
 
 
 @app.train()

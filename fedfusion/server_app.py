@@ -28,13 +28,22 @@ from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedfusion import setup_logging
-from fedfusion.app.config import ConfigError, Settings, build_strategy, default_model
+from fedfusion.app.config import (
+    ConfigError,
+    Settings,
+    build_strategy,
+    default_model,
+    resolved_holdout,
+)
 from fedfusion.app.federation import FederatedSplit, federated_split
+from fedfusion.app.inprocess import InProcessGrid
 from fedfusion.architecture import ModelSpec
 from fedfusion.client_app import data_description
 from fedfusion.datasets import load_dataset
 from fedfusion.evaluation import evaluate, resolve_device
-from fedfusion.predictors import save_predictor
+from fedfusion.predictors import Ensemble, save_predictor
+from fedfusion.state import state_arrays
+from fedfusion.strategies import FENS, FusionStrategy
 from fedfusion.strategies.screening import capped_reason
 from fedfusion.upload_store import UploadWriter, load_uploads, make_folder, open_no_follow
 from fedfusion.wire import ClientUpload
@@ -47,7 +56,7 @@ DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "lab
              "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
              "model-kwargs", "num-members", "local-epochs", "lr", "momentum", "batch-size",
              "client-models", "partition-sha256", "val-source", "input-mean", "input-std",
-             "client-data")
+             "client-data", "holdout-fraction")
 #: where the partition file is: adopted from the manifest unless the run config names one
 #: (the file may live elsewhere on this machine; partition-sha256 still has to match)
 PARTITION_KEYS = ("partition-file", "partition-key")
@@ -155,6 +164,9 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
          folder: Path, results: dict[str, Any], failures: Sequence[tuple[str, str]] = ()
          ) -> None:
     local_data = settings.client_data == "local"
+    if uploads is None:  # recorded as it applies (a replay's manifest then says it)
+        settings = settings.replace(holdout_fraction=resolved_holdout(settings))
+        results["settings"] = settings.to_mapping()
     if local_data:
         # each device trains on its own file: no split, the server only holds its
         # validation holdout and the test set (what it evaluates on)
@@ -214,6 +226,18 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
             strategy.exclude(1, client, reason)
         strategy.fuse_uploads(uploads)
         evaluate_predictor(1)
+        if isinstance(strategy, FENS):  # its aggregator rounds, with the uploads' clients
+            if not settings.holdout_fraction:
+                raise ConfigError("strategy 'fens' trains its aggregator on rows the clients "
+                                  "held out of local training; these uploads were trained on "
+                                  "all rows (holdout-fraction 0 in their manifest)")
+            if grid is None:  # the uploads' own clients, each on its own rows
+                grid = InProcessGrid(settings)
+                nodes = [grid.node_of(u.client_id) for u in strategy.uploads]
+            else:  # a replay inside Flower: its nodes (the uploads' node ids are stale)
+                nodes = sorted(grid.get_node_ids())
+            used = strategy.train_aggregator(grid, nodes)
+            evaluate_predictor(1 + used)
     else:
         if grid is None:
             raise ValueError("a live run needs a Flower grid; pass replay=<folder> to replay")
@@ -242,6 +266,14 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
             histogram=[c["class_histogram"] for c in results["clients"]])
     results["excluded"] = strategy.exclusions
     results["strategy_report"] = strategy.report()
+    results["cost"] = inference_and_traffic(strategy, results["strategy_report"])
+    teacher = strategy.distill_teacher
+    if teacher is not None:  # distill: the one network and the predictor it came from
+        start = time.perf_counter()
+        results["distill"] = distill_results(strategy.distill_report, evaluate(
+            teacher, bundle.test.x, bundle.test.y, device, settings.eval_batch_size),
+            results["test"])
+        eval_seconds[0] += time.perf_counter() - start
     # robust aggregation (fedfusion.strategies.screening): the claims every strategy weighted
     # by less than claimed, what could not be screened, and the fused model against chance
     results["capped_claims"] = strategy.capped_claims
@@ -270,6 +302,48 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
                    num_clients=settings.num_clients, seed=settings.seed,
                    split_seed=settings.data_seed,
                    num_rounds=settings.num_rounds, device=str(device))
+
+
+def distill_results(report: dict[str, Any], teacher_test: dict[str, float],
+                    student_test: dict[str, float]) -> dict[str, Any]:
+    """results.json's ``distill``: the teacher's (the fused predictor) and the student's
+    (the one network distilled from it, the run's predictor) test and validation metrics,
+    and the distillation's options, selected epoch, seconds and trace."""
+    options = report.get("options", {})
+    return {"mode": options.get("mode"), "options": options,
+            "student_init": report.get("student_init"),
+            "selection": report.get("selection"), "best_epoch": report.get("best", {}).get(
+                "epoch"), "seconds": report.get("seconds"),
+            "teacher": {"test": teacher_test, "val": report.get("teacher_val")},
+            "student": {"test": student_test, "val": report.get("student_val")},
+            "trace": report.get("trace", [])}
+
+
+def inference_and_traffic(strategy: FusionStrategy, report: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """What the predictor costs per prediction and what the run cost per client: forward
+    passes (networks run per input), the rounds, and the bytes a client receives (the M
+    initial models, plus FENS' aggregator rounds) and sends (the sections and members this
+    strategy uses; a replay's uploads may carry more for other strategies)."""
+    predictor = strategy.predictor
+    model_bytes = _model_bytes(strategy)
+    used = [u.members[:1] if strategy.member_fusion == "first" else u.members
+            for u in strategy.uploads]
+    up = [sum(a.nbytes for m in members for section in strategy.required_sections
+              for a in m.get(section, {}).values()) for members in used]
+    return {
+        "forward_passes": len(predictor.members) if isinstance(predictor, Ensemble) else 1,
+        "rounds": int(report.get("rounds", 1)),
+        "download_bytes_per_client": strategy.num_members * model_bytes
+        + report.get("aggregator_download_bytes_per_client", 0.0),
+        "upload_bytes_per_client": (float(np.mean(up)) if up else 0.0)
+        + report.get("aggregator_upload_bytes_per_client", 0.0),
+    }
+
+
+def _model_bytes(strategy: FusionStrategy) -> int:
+    """Bytes of one broadcast model (the server's architecture, its wire arrays)."""
+    return sum(a.nbytes for a in state_arrays(strategy.context.model_spec.build()).values())
 
 
 def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
@@ -307,19 +381,34 @@ def print_summary(results: dict[str, Any]) -> None:
         "=" * 64,
         f"fedfusion {results['status'].upper()}"
         + (" (AT CHANCE)" if results.get("at_chance") else "") + f": strategy {s['strategy']}, "
-        f"{s['num-rounds']} round(s)" + (" (replay)" if s.get("replay") else ""),
+        f"{(results.get('cost') or {}).get('rounds', s['num-rounds'])} round(s)"
+        + (" (replay)" if s.get("replay") else ""),
         f"  data     {s['dataset']}, "
         + ("each device's own data (client-data='local')" if s.get("client-data") == "local"
            else f"partition file {Path(s['partition-file']).name}"
            + (f" [{s['partition-key']}]" if s.get("partition-key") else "")
            if s.get("partition-file") else f"{s['partitioner']} alpha={s['alpha']:g}")
-        + f", {s['num-clients']} clients, seed {s['seed']}",
+        + f", {clients_line(results)}, seed {s['seed']}",
     ]
+    cost = results.get("cost")
+    if cost:
+        up, down = cost["upload_bytes_per_client"] / 1e6, cost["download_bytes_per_client"] / 1e6
+        lines.append(f"  cost     {cost['forward_passes']} forward pass(es) per prediction | "
+                     f"{cost['rounds']} round(s) | per client {up:.2f} MB up, {down:.2f} MB "
+                     "down")
     if test:
         lines.append(f"  test     accuracy {100 * test['accuracy']:.2f}%   NLL {test['nll']:.4f}"
                      f"   ECE {test['ece']:.4f}")
     if "val" in results:
         lines.append(f"  val      accuracy {100 * results['val']['accuracy']:.2f}%")
+    distill = results.get("distill")
+    if distill:  # the test line above is the student's; both side by side
+        for who in ("teacher", "student"):
+            metrics = distill[who]["test"]
+            lines.append(f"  {who:<8} test accuracy {100 * metrics['accuracy']:.2f}%   NLL "
+                         f"{metrics['nll']:.4f}" + (" (the fused predictor)" if who == "teacher"
+                                                   else f" (one network, distill="
+                                                   f"{distill['mode']!r})"))
     if results.get("at_chance"):
         chance = results["chance"]
         lines.append(f"  WARNING  the fused model is at chance on the validation data: accuracy "
@@ -336,6 +425,16 @@ def print_summary(results: dict[str, Any]) -> None:
         lines.append(f"  error    {results.get('error')}")
     lines += [f"  results  {results['output_dir']}/results.json", "=" * 64]
     print("\n".join(lines), flush=True)
+
+
+def clients_line(results: dict[str, Any]) -> str:
+    """"N clients", or for a replay of some of them "K of N clients replayed (...)"."""
+    s = results["settings"]
+    fused = len(results.get("clients") or [])
+    if s.get("replay") and results.get("clients") is not None and fused != s["num-clients"]:
+        kept = f", replay-clients={s['replay-clients']}" if s.get("replay-clients") else ""
+        return f"{fused} of {s['num-clients']} clients replayed{kept}"
+    return f"{s['num-clients']} clients"
 
 
 def strict_json(value: Any) -> Any:

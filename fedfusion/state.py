@@ -21,7 +21,7 @@ LayerNorm, GroupNorm, Embedding or a user's own layer, gets a diagonal block).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -157,3 +157,37 @@ def kron_parameters(shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
     if isinstance(shapes, StateLayout):
         return shapes.kron
     return frozenset(shapes)
+
+
+AverageWeights = Sequence[float] | Mapping[str, Sequence[float]]
+
+
+def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: AverageWeights
+                     ) -> dict[str, np.ndarray]:
+    """sum_i weights_i * arrays_i / sum_i weights_i, parameter by parameter (in float64), for
+    every floating entry (parameters and running statistics alike); a non-float entry
+    (integer counter, bool or uint8 buffer) is the value of the client with the largest
+    weight.
+
+    ``weights`` is one weight per client (the same for every parameter), or a mapping from
+    every parameter name to one weight per client (each parameter normalised by its own sum).
+    """
+    per_name = weights if isinstance(weights, Mapping) else dict.fromkeys(arrays[0], weights)
+    averaged = {}
+    for name in arrays[0]:
+        if name not in per_name:
+            raise ValueError(f"no averaging weights for parameter {name!r}")
+        total = float(sum(per_name[name]))
+        if not total > 0:
+            raise ValueError(f"averaging weights of {name!r} sum to {total}, need > 0")
+        if arrays[0][name].dtype.kind != "f":
+            # an integer counter (num_batches_tracked) or a bool/uint8 buffer has no
+            # meaningful average: the heaviest client's value (the first on ties)
+            heaviest = int(np.argmax(np.asarray(per_name[name], dtype=np.float64)))
+            averaged[name] = arrays[heaviest][name].copy()
+            continue
+        averaged[name] = (
+            sum(w * a[name].astype(np.float64) for a, w in zip(arrays, per_name[name],
+                                                                strict=True))
+            / total).astype(arrays[0][name].dtype)
+    return averaged

@@ -2,7 +2,8 @@
 # Deploy the fedfusion App with Flower's deployment engine on this machine: one SuperLink and
 # N SuperNodes on 127.0.0.1 (free ports), then `flwr run` against them. The commands are those
 # of a real deployment (docs/deploy.md); only the addresses are loopback. Every process started
-# here is stopped by pid on exit, also on failure or Ctrl-C. Success is judged from
+# here is stopped by pid on exit, also on failure or Ctrl-C, with the SuperExecs, ServerApps
+# and ClientApps Flower started from it, and waited for until gone. Success is judged from
 # <output-dir>/<run-name>/results.json (`flwr run` exits 0 even when the run fails).
 #
 #   bash scripts/deploy-local.sh [--mode insecure|tls|auth] [--num-clients N]
@@ -113,6 +114,8 @@ cleanup() {
     kill -TERM "$WATCH_PID" 2> /dev/null || true
     wait "$WATCH_PID" || true
   fi
+  # returns once they are gone (SIGKILL after a grace period): a SuperNode's SuperExec
+  # outlives it by seconds, and the check below must not see one that is still exiting
   helper stop "${PIDS[@]}" --flwr-home "$FLWR_HOME" || true
   if ! left="$(helper leftovers "$FLWR_HOME")"; then
     echo "deploy-local: processes left running after the stop:" >&2

@@ -23,8 +23,13 @@ gives, as ``python scripts/deploy_tools.py <command>``:
     ``RUN_CONFIG_ARGS`` (TOML-typed ``--run-config`` flags, bare strings quoted as the
     launcher does), for ``eval`` (:func:`plan_run`);
 ``stop PID... [--flwr-home FLWR_HOME]``
-    stop the process trees under PID... (:func:`fedfusion.app.launch.stop_process_trees`),
-    then what still runs under FLWR_HOME (:func:`stop`);
+    stop PID... with their descendants and the Flower processes tied to them by
+    ``--parent-pid``, then what still runs under FLWR_HOME, and wait until all of it is gone
+    (SIGTERM, SIGKILL after a grace period; :func:`stop`); exit 1 if anything survived;
+``stop-supernode [--port PORT]``
+    stop a device: the SuperNode whose Runtime API port is PORT (its ``--port``, default
+    9094), its SuperExec (also one whose SuperNode exited already) and their ClientApps, and
+    wait until they are gone (:func:`stop_supernode`); exit 1 if anything survived;
 ``leftovers FLWR_HOME``
     list the live processes whose environment has ``FLWR_HOME=<FLWR_HOME>``: everything the
     script started and everything Flower spawned from it; exit 1 if there is any;
@@ -38,6 +43,7 @@ gives, as ``python scripts/deploy_tools.py <command>``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -46,8 +52,8 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # run as a script from a checkout: the checkout's fedfusion, as the benchmarks do
@@ -57,13 +63,15 @@ from fedfusion.app.launch import (  # noqa: E402
     _toml_item,
     absolute_paths,
     free_port,
-    is_running,
     run_config_value,
-    stop_process_trees,
 )
 
 #: the hosts every server certificate of :func:`main`'s ``tls`` is valid for
 TLS_HOSTS = ("127.0.0.1", "localhost")
+
+#: ``flower-supernode --port``'s default, the port of its Runtime API (flwr 1.41,
+#: ``SUPERNODE_UVICORN_DEFAULT_PORT``): its SuperExec's ``--runtime-api-address``
+SUPERNODE_DEFAULT_PORT = 9094
 
 
 @dataclass(frozen=True)
@@ -218,21 +226,45 @@ def plan_run(run_config: str, num_clients: int | None, output_dir: Path, run_nam
 
 @dataclass(frozen=True)
 class ProcessInfo:
-    """A live process seen in /proc."""
+    """A live process seen in /proc; ``start`` (clock ticks since boot) and ``pid`` together
+    name it (a pid alone may be reused once its process exits)."""
 
     pid: int
     ppid: int
     program: str
     argv: tuple[str, ...]
+    pgid: int = 0
+    start: int = field(default=0, repr=False)
+    uid: int = field(default=-1, repr=False)
+
+    def option(self, name: str) -> str | None:
+        """The value of the command-line option ``name`` (``--name V`` or ``--name=V``)."""
+        for i, arg in enumerate(self.argv):
+            if arg == name and i + 1 < len(self.argv):
+                return self.argv[i + 1]
+            if arg.startswith(f"{name}="):
+                return arg.partition("=")[2]
+        return None
+
+    @property
+    def parent_pid_option(self) -> int | None:
+        """The ``--parent-pid`` Flower gives the processes it starts (a SuperNode's or a
+        SuperLink's SuperExec, a SuperExec's ClientApp or ServerApp): each exits once that
+        process is gone, but only by polling, after its current retry, up to about 20 s
+        later; the link survives the parent's death (the child is re-parented to PID 1)."""
+        value = self.option("--parent-pid")
+        return int(value) if value is not None and value.isdigit() else None
 
 
 def _read_process(pid: int) -> ProcessInfo | None:
     """The process ``pid``, or None when it is gone or a zombie (exited, not yet reaped)."""
     proc = Path("/proc") / str(pid)
     try:
-        state, ppid = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[:2]
+        fields = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+        state, ppid, pgid, start = fields[0], int(fields[1]), int(fields[2]), int(fields[19])
         argv = tuple(a.decode(errors="replace") for a in
                      proc.joinpath("cmdline").read_bytes().split(b"\0") if a)
+        uid = proc.stat().st_uid
     except (OSError, IndexError, ValueError):
         return None
     if state in ("Z", "X") or not argv:
@@ -240,7 +272,18 @@ def _read_process(pid: int) -> ProcessInfo | None:
     # a console script runs as `python /path/bin/flower-supernode ...`: name it by the script
     program = Path(argv[1]).name if len(argv) > 1 and "python" in Path(argv[0]).name else (
         Path(argv[0]).name)
-    return ProcessInfo(pid, int(ppid), program, argv)
+    return ProcessInfo(pid, ppid, program, argv, pgid, start, uid)
+
+
+def live_processes() -> dict[int, ProcessInfo]:
+    """Every live process but this one, read in one pass over /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            info = _read_process(int(entry.name))
+            if info is not None:
+                found[info.pid] = info
+    return found
 
 
 def _environment(pid: int) -> dict[str, str]:
@@ -270,20 +313,121 @@ def processes_under(flwr_home: str | os.PathLike[str]) -> list[ProcessInfo]:
     return sorted(found, key=lambda p: p.pid)
 
 
+def process_group(pgid: int) -> list[ProcessInfo]:
+    """The live members of the process group ``pgid`` (zombies are not)."""
+    return sorted((p for p in live_processes().values() if p.pgid == pgid),
+                  key=lambda p: p.pid)
+
+
 def _is_serverapp(process: ProcessInfo) -> bool:
     """A ServerApp process (``flwr-serverapp``, run as a script or by its entry point)."""
     return any(Path(arg).name == "flwr-serverapp" for arg in process.argv[:2])
 
 
-def stop(pids: Sequence[int], flwr_home: str | None = None, grace_s: float = 10.0) -> None:
-    """Stop the process trees under ``pids`` (the script's own children), then, with
-    ``flwr_home``, whatever still runs under it: a process whose parent died before the
-    stop (a SuperNode's SuperExec, say) is no longer in any tree."""
-    stop_process_trees([p for p in pids if is_running(p)], grace_s)
+def _tied(live: dict[int, ProcessInfo], known: dict[int, int], gone: set[int],
+          pgids: Collection[int]) -> dict[int, ProcessInfo]:
+    """The live processes tied to ``known`` (pid -> start ticks: processes met before, alive
+    or not) or to ``gone`` (pids of processes that exited): those themselves, the members of
+    the process groups ``pgids``, and, transitively, the children of a tied process and the
+    processes whose ``--parent-pid`` names a tied or gone one (a SuperNode's SuperExec is
+    re-parented to PID 1 when the SuperNode exits first, and keeps that link)."""
+    tied = {pid: info for pid, info in live.items()
+            if known.get(pid) == info.start or info.pgid in pgids}
+    dead = gone | {pid for pid, start in known.items()
+                   if pid not in live or live[pid].start != start}
+    grown = True
+    while grown:
+        grown = False
+        for pid, info in live.items():
+            if pid in tied or pid in known:  # (known, not tied: the pid was reused)
+                continue
+            if info.ppid in tied or (info.parent_pid_option in tied.keys() | dead):
+                tied[pid] = info
+                grown = True
+    return tied
+
+
+def terminate(pids: Iterable[int] = (), pgids: Collection[int] = (), grace_s: float = 10.0,
+              kill_wait_s: float = 10.0) -> list[ProcessInfo]:
+    """Stop the processes ``pids`` and the members of the process groups ``pgids``, with
+    everything tied to them (:func:`_tied`: their descendants, and the Flower processes whose
+    ``--parent-pid`` names one of them, also when that one has exited already), and WAIT
+    until they are gone: SIGTERM, then SIGKILL to those still running after ``grace_s``, then
+    at most ``kill_wait_s`` more. A process that appears meanwhile (a ClientApp started just
+    before its SuperExec got the signal) is signalled in turn. Returns the processes still
+    running at the end (empty: all gone; a zombie counts as gone)."""
+    live = live_processes()
+    known = {pid: live[pid].start for pid in pids if pid in live}
+    gone = {pid for pid in pids if pid not in live}
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        signalled: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + wait_s
+        while True:
+            tied = _tied(live, known, gone, pgids)
+            if not tied:
+                return []
+            for pid, info in tied.items():
+                known.setdefault(pid, info.start)
+                if (pid, info.start) not in signalled:
+                    signalled.add((pid, info.start))
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+            live = live_processes()
+    return sorted(_tied(live_processes(), known, gone, pgids).values(), key=lambda p: p.pid)
+
+
+def stop(pids: Sequence[int], flwr_home: str | None = None, grace_s: float = 10.0
+         ) -> list[ProcessInfo]:
+    """Stop the processes ``pids`` (the script's own children) with everything tied to them
+    (:func:`terminate`), then, with ``flwr_home``, whatever still runs under it, and wait
+    until all of it is gone. Returns what survived even SIGKILL (empty: nothing). With
+    ``flwr_home``, a pid is taken only while its process carries that ``FLWR_HOME`` (the
+    script exports it before starting anything): the pid of a process that exited long ago
+    may name another one by now."""
     if flwr_home is not None:
-        stragglers = [p.pid for p in processes_under(flwr_home)]
-        if stragglers:
-            stop_process_trees(stragglers, grace_s)
+        home = os.path.realpath(flwr_home)
+        pids = [pid for pid in pids
+                if os.path.realpath(_environment(pid).get("FLWR_HOME") or "/nonexistent") == home]
+    left = terminate(pids, grace_s=grace_s)
+    if flwr_home is not None:
+        for _ in range(3):  # a straggler's own children are signalled with it
+            stragglers = [p.pid for p in processes_under(flwr_home)]
+            if not stragglers:
+                break
+            left = terminate(stragglers, grace_s=grace_s)
+    return left
+
+
+def supernode_processes(port: int = SUPERNODE_DEFAULT_PORT) -> list[ProcessInfo]:
+    """This user's ``flower-supernode`` whose Runtime API port (``--port``) is ``port``, and
+    the ``flower-superexec`` serving that port (``--runtime-api-address HOST:port``) whose
+    ``--parent-pid`` is that SuperNode or a process that has exited (its SuperNode stopped
+    before it), not another live process (a SuperLink's SuperExec)."""
+    everything = live_processes()
+    live = [info for info in everything.values() if info.uid == os.getuid()]
+    nodes = []
+    for info in live:
+        if info.program == "flower-supernode":
+            given = info.option("--port")
+            if (int(given) if given and given.isdigit() else SUPERNODE_DEFAULT_PORT) == port:
+                nodes.append(info)
+    execs = [info for info in live if info.program == "flower-superexec"
+             and (info.option("--runtime-api-address") or "").rpartition(":")[2] == str(port)
+             and (info.parent_pid_option in {n.pid for n in nodes}
+                  or info.parent_pid_option not in everything)]
+    return sorted(nodes + execs, key=lambda p: p.pid)
+
+
+def stop_supernode(port: int = SUPERNODE_DEFAULT_PORT, grace_s: float = 10.0
+                   ) -> tuple[list[ProcessInfo], list[ProcessInfo]]:
+    """Stop the SuperNode of Runtime API port ``port`` together with its SuperExec and their
+    ClientApps, and wait until they are gone (:func:`terminate`). Returns (the processes
+    found, those that survived SIGKILL)."""
+    found = supernode_processes(port)
+    return found, terminate([p.pid for p in found], grace_s=grace_s) if found else []
 
 
 def _node_config(pid: int) -> str | None:
@@ -435,9 +579,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-clients", type=int, default=None)
     p.add_argument("--output-dir", type=Path, required=True)
     p.add_argument("--run-name", required=True)
-    p = sub.add_parser("stop", help="stop the process trees under PID...")
+    p = sub.add_parser("stop", help="stop PID... and what is tied to them; wait until gone")
     p.add_argument("pids", type=int, nargs="*")
     p.add_argument("--flwr-home", default=None, help="then what still runs under FLWR_HOME")
+    p = sub.add_parser("stop-supernode",
+                       help="stop a SuperNode, its SuperExec and ClientApps; wait until gone")
+    p.add_argument("--port", type=int, default=SUPERNODE_DEFAULT_PORT,
+                   help=f"the SuperNode's --port (default {SUPERNODE_DEFAULT_PORT})")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL (default 10)")
     p = sub.add_parser("leftovers", help="live processes under FLWR_HOME; exit 1 if any")
     p.add_argument("flwr_home")
     p = sub.add_parser("serverapp-running",
@@ -472,7 +622,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         _lines([f"NUM_CLIENTS={plan.num_clients}", f"RESULTS={shlex.quote(str(plan.results))}",
                 f"RUN_CONFIG_ARGS=({flags})"])
     elif args.command == "stop":
-        stop(args.pids, args.flwr_home)
+        left = stop(args.pids, args.flwr_home)
+        for p in left:
+            print(f"deploy-local: still running after SIGKILL: {p.pid} {' '.join(p.argv)}",
+                  file=sys.stderr)
+        return 1 if left else 0
+    elif args.command == "stop-supernode":
+        found, left = stop_supernode(args.port, args.grace)
+        if not found:
+            print(f"no SuperNode of port {args.port} runs (nor its SuperExec)")
+        for p in found:
+            if p.pid not in {q.pid for q in left}:
+                print(f"stopped {p.program} (pid {p.pid})")
+        for p in left:
+            print(f"still running after SIGKILL: {p.pid} {' '.join(p.argv)}", file=sys.stderr)
+        return 1 if left else 0
     elif args.command == "leftovers":
         left = processes_under(args.flwr_home)
         _lines(f"{p.pid} {' '.join(p.argv)}" for p in left)

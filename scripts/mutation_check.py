@@ -87,6 +87,13 @@ TARGETS: tuple[Target, ...] = (
     Target("dense", ("fedavg", "ensemble"), (
         "tests/test_dense.py::test_distillation_is_deterministic_given_the_seed",
         "tests/test_dense.py::test_fmnist_federation_beats_the_fedavg_student_it_starts_from")),
+    Target("co-boosting", ("fedavg", "ensemble", "client0"), (
+        "tests/test_co_boosting.py::"
+        "test_distillation_is_deterministic_given_the_seed_and_leaves_the_global_rng",
+        "tests/test_co_boosting.py::test_fmnist_federation_beats_the_fedavg_of_the_same_uploads")),
+    Target("fens", ("fedavg", "ensemble", "client0"), (
+        "tests/test_fens.py::test_federated_rounds_match_brute_force_on_a_tiny_net",
+        "tests/test_fens.py::test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client")),
     Target("swa", ("fedavg",), (
         "tests/test_swa.py::test_hand_built_two_clients_hos",
         "tests/test_swa.py::test_one_shot_swa_and_its_replay")),

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Set everything up, then run the default job: one-shot FedAvg on Fashion-MNIST, LeNet,
-# 5 clients (Dirichlet alpha 0.1), 20 local epochs, on Flower's Ray simulation backend.
-# Extra arguments are run-config overrides, e.g.: bash scripts/run.sh "strategy=ensemble alpha=0.4"
+# Set everything up, then run the default job: one live FedBEns round on Fashion-MNIST (LeNet,
+# 5 clients, Dirichlet alpha 0.1) through Flower's Ray simulation backend, its uploads replayed
+# into FedAvg, the uniform ensemble, FENS and one distilled network, and a table by inference
+# budget (python -m fedfusion.app.compare). With an argument, one run with those run-config
+# overrides instead, e.g.: bash scripts/run.sh "strategy=ensemble alpha=0.4"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m fedfusion.app.launch --run-config "${1:-}"
+if [ -z "${1:-}" ]; then
+  exec .venv/bin/python -m fedfusion.app.compare
+fi
+exec .venv/bin/python -m fedfusion.app.launch --run-config "$1"

@@ -13,7 +13,8 @@ processes included).
   no key are refused, the registered ones complete the run;
 * a run that fails (``flwr run`` exits 0) fails the script, and SIGTERM stops everything;
 * the helpers: certificates a TLS client accepts, keys Flower's own loaders read, the run
-  config the script hands to ``flwr run``.
+  config the script hands to ``flwr run``, and ``stop-supernode`` (a device leaving) ending
+  the SuperNode with its SuperExec and ClientApp before it returns.
 
 Real Fashion-MNIST: 3 clients on a 6,000-sample subset (Dirichlet 1.0), 5 local epochs; floors
 55% (measured in process: FedAvg 67.3%, ensemble 71.0%, FedBEns 67.5%).
@@ -37,14 +38,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
-from deploy_tools import main as deploy_tools_main
 from deploy_tools import (
+    free_ports,
+    live_processes,
     plan_run,
     processes_under,
     stop,
+    stop_supernode,
+    supernode_processes,
+    terminate,
     write_node_key,
     write_tls_files,
 )
+from deploy_tools import main as deploy_tools_main
 from test_deploy_doc import shell_blocks
 
 from fedfusion.app.launch import is_running, launch
@@ -401,3 +407,69 @@ def test_serverapp_running_sees_only_a_serverapp_under_its_flwr_home(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_stop_supernode_ends_its_superexec_and_clientapps_and_waits(tmp_path):
+    """What docs/deploy.md's `deploy_tools.py stop-supernode --port P` does when a device
+    leaves: the SuperNode of port P, its SuperExec (which ignores SIGTERM here: SIGKILL after
+    the grace) and the SuperExec's ClientApp are all gone when it returns, the SuperExec of a
+    SuperNode that exited first too (re-parented, found by its Runtime API port and its
+    ``--parent-pid``); another port's SuperNode runs on. Stand-ins named like Flower's
+    programs, linked as Flower links them (``--parent-pid``, ``--runtime-api-address``)."""
+    scripts = {
+        "flower-supernode": (
+            "import os, subprocess, sys, time\n"
+            "port = sys.argv[sys.argv.index('--port') + 1]\n"
+            "subprocess.Popen([sys.executable, sys.argv[0].replace('flower-supernode',"
+            " 'flower-superexec'), '--runtime-api-address', f'127.0.0.1:{port}',"
+            " '--parent-pid', str(os.getpid())])\n"
+            "time.sleep(600)\n"),
+        "flower-superexec": (
+            "import os, signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "subprocess.Popen([sys.executable, sys.argv[0].replace('flower-superexec',"
+            " 'flwr-clientapp'), '--parent-pid', str(os.getpid())])\n"
+            "time.sleep(600)\n"),
+        "flwr-clientapp": "import time\ntime.sleep(600)\n",
+    }
+    for name, text in scripts.items():
+        (tmp_path / name).write_text(text)
+    ports = free_ports(3)
+
+    def start(port: int) -> tuple[subprocess.Popen, list[int]]:
+        """A stand-in SuperNode; returns once its SuperExec and ClientApp run."""
+        node = subprocess.Popen([sys.executable, str(tmp_path / "flower-supernode"),
+                                 "--port", str(port)])
+        nodes.append(node)
+        deadline = time.monotonic() + 60
+        while True:
+            family = [p.pid for p in supernode_processes(port)]
+            family += [p.pid for p in processes_under_parent(family)]
+            if len(family) == 3:
+                return node, family
+            assert time.monotonic() < deadline, f"the stand-ins did not start: {family}"
+            time.sleep(0.1)
+
+    def processes_under_parent(pids: list[int]) -> list:
+        return [p for p in live_processes().values()
+                if p.parent_pid_option in pids and p.program == "flwr-clientapp"]
+
+    nodes: list[subprocess.Popen] = []
+    try:
+        (_, family), (_, kept) = start(ports[0]), start(ports[1])
+        found, left = stop_supernode(ports[0], grace_s=1)
+        assert sorted(p.program for p in found) == ["flower-superexec", "flower-supernode"]
+        assert left == [] and not any(is_running(pid) for pid in family)
+        assert all(is_running(pid) for pid in kept)
+        # a SuperNode that exited first (killed alone): its SuperExec is still found
+        orphaned, family = start(ports[2])
+        orphaned.kill()
+        orphaned.wait()
+        found, left = stop_supernode(ports[2], grace_s=1)
+        assert [p.program for p in found] == ["flower-superexec"]
+        assert left == [] and not any(is_running(pid) for pid in family)
+        assert deploy_tools_main(["stop-supernode", "--port", str(ports[2])]) == 0
+    finally:
+        terminate([n.pid for n in nodes if n.returncode is None], grace_s=1)  # not reaped
+        for node in nodes:
+            node.wait()

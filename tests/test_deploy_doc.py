@@ -8,8 +8,11 @@ comment on the line before it (``<!-- doc-test: ... -->``) says otherwise:
   ``bash -euo pipefail``);
 * ``background NAME PORT``: a server (SuperLink, SuperNode), started in its own process
   group; ready once PORT on 127.0.0.1 accepts connections;
-* ``restart NAME PORT``: stop NAME's process group, start this block as NAME;
-* ``stop NAME``: stop NAME's process group, then run this block in the foreground;
+* ``restart NAME PORT``: stop NAME's process group (as Ctrl-C in its terminal would) and
+  wait until every process of it is gone, then start this block as NAME;
+* ``stop NAME``: run this block in the foreground: the page's own command in it stops NAME
+  (a SuperNode with its SuperExec and ClientApps) and waits until they are gone, so that
+  nothing of NAME's process group may be left once the block has run;
 * ``skip: REASON`` and ``external: TEST``: not run here (illustrative, or run by another
   test, which the comment names); a reason is required.
 
@@ -28,10 +31,10 @@ SuperLink's restart, and no process is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FLOWER_PROCESSES
-from deploy_tools import processes_under, stop
+from deploy_tools import ProcessInfo, process_group, processes_under, stop, terminate
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
@@ -135,18 +138,27 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the block's process group (the server and what it started), SIGKILL after
-    20 s."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+def _stop_group(proc: subprocess.Popen) -> list[ProcessInfo]:
+    """SIGTERM to every process of the block's process group (the server and what it started:
+    a SuperNode's SuperExec and ClientApps, a SuperLink's SuperExec and ServerApp), SIGKILL
+    after 20 s, and wait until all of them are gone, not only the block's own process: a
+    SuperExec outlives its SuperNode by seconds. Returns what survived SIGKILL (empty)."""
+    left = terminate([proc.pid], pgids=[proc.pid], grace_s=20)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)  # exited (a zombie until reaped here), unless it survived
+    return left
+
+
+def _assert_stopped(name: str, proc: subprocess.Popen) -> None:
+    """The page's command stopped ``name``: after its block, no process of its group runs
+    (the command waited for them). Only the block's own shell, whose child that was, may
+    still be exiting: it is waited for first."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    left = process_group(proc.pid)
+    assert proc.poll() is not None and not left, (
+        f"{name}: the page's stop command left processes of it running: "
+        f"{left or [proc.pid]}")
 
 
 @dataclass
@@ -196,6 +208,7 @@ def run_walkthrough(home: Path) -> Walkthrough:
     logs.mkdir(parents=True)
     prelude = ""
     servers: dict[str, subprocess.Popen] = {}
+    stopping: dict[str, subprocess.Popen] = {}  # by the page's own command, in this block
     outputs: dict[int, str] = {}
 
     def start(block: Block) -> None:
@@ -219,8 +232,12 @@ def run_walkthrough(home: Path) -> Walkthrough:
             if block.kind == "env":
                 prelude += block.text
                 continue
-            if block.kind in ("restart", "stop"):
-                _stop_group(servers.pop(block.args[0]))
+            if block.kind == "restart":
+                left = _stop_group(servers.pop(block.args[0]))
+                if left:
+                    pytest.fail(f"{block}: {block.args[0]} survived SIGKILL: {left}")
+            if block.kind == "stop":  # the block stops it: the page's command
+                stopping[block.args[0]] = servers.pop(block.args[0])
             if block.kind in ("background", "restart"):
                 start(block)
                 continue
@@ -235,8 +252,12 @@ def run_walkthrough(home: Path) -> Walkthrough:
                                         for p in sorted(logs.glob("*.log")))
                 pytest.fail(f"{block} exited {done.returncode}:\n{block.text}\n--- output\n"
                             f"{outputs[block.line][-4000:]}\n{server_logs}")
+            if block.kind == "stop":
+                _assert_stopped(block.args[0], stopping.pop(block.args[0]))
     finally:
-        for proc in servers.values():
+        # every server's whole process group, waited for (and the group of one its block
+        # was to stop, should that block have failed)
+        for proc in [*servers.values(), *stopping.values()]:
             _stop_group(proc)
         left = processes_under(home / ".flwr")
         stop([], str(home / ".flwr"))  # never leave a deployment running on CI

@@ -13,7 +13,7 @@ from test_fedbens import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays
-from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.state import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
 from fedfusion.strategies.fusion import FusionContext

@@ -32,7 +32,8 @@ INPUT_SHAPE = (1, 14, 14)
 SECTIONS = ["weights", "curvature.kron", "curvature.diag", "gram"]
 #: small server budgets: the matrix checks plumbing and sanity, the benchmark measures
 OPTIONS = {"fedbens": {"steps": 30, "eval_every": 10}, "fedfisher": {"steps": 30},
-           "dense": {"epochs": 3, "batch_size": 64}}
+           "dense": {"epochs": 3, "batch_size": 64},
+           "co-boosting": {"epochs": 3, "batch_size": 64}}
 #: cells refused by design, with what the message must say
 REFUSED = {("pfnm", family): "pfnm matches MLPs only" for family in FAMILIES}
 #: strategies whose server step is FedAvg's (they differ on the clients)
@@ -112,7 +113,8 @@ def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploa
     moved = [n for member in report.get("members", []) if isinstance(member, dict)
              for counts in member.get("moved_neurons", {}).values() for n in counts]
     same_as_fedavg = (strategy in FEDAVG_SERVERS or (strategy == "otfusion" and not any(moved))
-                      or (strategy == "dense" and report["best"]["iteration"] == 0))
+                      or (strategy in ("dense", "co-boosting")
+                          and report["best"]["iteration"] == 0))
     assert (gap < 1e-5) if same_as_fedavg else (gap > 1e-3), (strategy, family, gap)
     has_bn = "norm" not in kwargs and name != "ln_mlp"
     expected_rule = "client" if fuser.keeps_client_models else "recalibrate"

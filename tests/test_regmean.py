@@ -23,7 +23,7 @@ from fedfusion.gram import (
 )
 from fedfusion.predictors import ModelSpec
 from fedfusion.sections import build_section
-from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.state import weighted_average
 from fedfusion.strategies.fusion import FusionContext
 from fedfusion.strategies.regmean import RegMean, parse_alphas
 from fedfusion.wire import ClientUpload, UploadError, validate_upload

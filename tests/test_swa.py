@@ -17,11 +17,11 @@ from fedfusion.app.config import ConfigError, Settings, build_strategy
 from fedfusion.datasets import load_dataset
 from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
+from fedfusion.state import weighted_average
 from fedfusion.strategies import (
     FedAvg,
     StatisticalWeightAggregation,
 )
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.swa import (
     SWA_DISTANCES,
     buffer_owners,

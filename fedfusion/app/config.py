@@ -21,6 +21,7 @@ from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.normalization import NORM_STATS
 from fedfusion.strategies.base import FusionStrategy
+from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
 
 
 class ConfigError(ValueError):
@@ -100,6 +101,12 @@ class Settings:
     # robust aggregation (fedfusion.strategies.screening): weight-norm screen, count cap
     screen_factor: float = 10.0
     num_examples_cap: float = 3.0
+    # one network out of any fused predictor (fedfusion.distillation)
+    distill: str = "none"
+    distill_epochs: int = 30
+    distill_lr: float = 0.001
+    distill_temperature: float = 1.0
+    distill_augment: bool = True
     mixture_prune_margin: float = 50.0
     mixture_refresh_every: int = 10
     fedbens_starts: str = "auto"
@@ -120,6 +127,25 @@ class Settings:
     dense_s_steps: int = 5
     dense_adv_weight: float = 1.0
     dense_act_weight: float = 0.1
+    # Co-Boosting: its own knobs (the generator and the student take the dense-* ones)
+    co_boosting_epsilon: float = 0.03
+    co_boosting_perturb_steps: int = 1
+    co_boosting_perturbation: str = "ods"
+    co_boosting_hardness: float = 1.0
+    co_boosting_weight_lr: float = 0.01
+    co_boosting_weight_decay: float = 0.99
+    co_boosting_weight_steps: int = 1
+    # FENS (fedfusion.strategies.fens): rows held out of local training, aggregator rounds
+    holdout_fraction: float = 0.0
+    fens_hidden: int = 0
+    fens_rounds: int = 100
+    fens_patience: int = 10
+    fens_server_optimizer: str = "fedadam"
+    fens_server_lr: float = 0.05
+    fens_local_epochs: int = 1
+    fens_lr: float = 0.1
+    fens_batch_size: int = 64
+    fens_base: str = "members"
     # SWA and its baselines (issue 6)
     swa_distance: str = "hos"
     swa_size_weighting: bool = False
@@ -229,7 +255,12 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
             raise ConfigError("run-config 'server-device' must be 'auto', 'cpu' or 'cuda[:i]'")
+        if not 0 <= self.holdout_fraction < 1:
+            raise ConfigError("run-config 'holdout-fraction' must be in [0, 1) (0: FENS' "
+                              f"{FENS_HOLDOUT} for strategy 'fens', none otherwise), got "
+                              f"{self.holdout_fraction!r}")
         self._validate_swa()
+        self._validate_distill()
         self.parsed_model_kwargs()
         self.parsed_labels_per_client()
         self.parsed_fractions()
@@ -243,6 +274,23 @@ class Settings:
             if not getattr(self, key.replace("-", "_")) > 0:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         self.parsed_client_models()
+
+    def _validate_distill(self) -> None:
+        from fedfusion.distillation import DISTILL_MODES
+
+        _check_choice("distill", self.distill, DISTILL_MODES)
+        if self.distill_epochs < 0:
+            raise ConfigError("run-config 'distill-epochs' must be >= 0")
+        for key in ("distill-lr", "distill-temperature"):
+            value = getattr(self, key.replace("-", "_"))
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"run-config {key!r} must be a finite number > 0, got "
+                                  f"{value!r}")
+        if self.distill == "val" and not (self.server_validation and (
+                self.val_size > 0 or self.val_source == "file")):
+            raise ConfigError("run-config distill='val' distils on the server's validation "
+                              "rows: it needs server-validation=true and val-size > 0 (or "
+                              "use distill='synthetic')")
 
     def _validate_swa(self) -> None:
         from fedfusion.strategies.swa import SWA_DISTANCES
@@ -398,6 +446,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 #: per strategy, constructor argument -> the run-config key that sets it (each key's default
 #: in pyproject.toml equals the constructor's; tests/test_library.py checks both)
+def resolved_holdout(settings: Settings) -> float:
+    """The fraction of each client's rows kept out of local training: ``holdout-fraction``,
+    or where it is 0, FENS' own for strategy 'fens' and none for the others."""
+    if settings.holdout_fraction or settings.strategy != "fens":
+        return settings.holdout_fraction
+    return FENS_HOLDOUT
+
+
 def default_model(settings: Settings, input_shape: Sequence[int]) -> str:
     """The run's model: ``model`` if set, else LeNet for 1-channel and the CNN for 3-channel."""
     return settings.model or ("lenet" if input_shape[0] == 1 else "cnn")
@@ -420,6 +476,21 @@ STRATEGY_KEYS: dict[str, dict[str, str]] = {
               "latent_dim": "dense-latent-dim", "g_lr": "dense-g-lr", "s_lr": "dense-s-lr",
               "g_steps": "dense-g-steps", "s_steps": "dense-s-steps",
               "adv_weight": "dense-adv-weight", "act_weight": "dense-act-weight"},
+    "co-boosting": {"epochs": "dense-epochs", "batch_size": "dense-batch-size",
+                    "latent_dim": "dense-latent-dim", "g_lr": "dense-g-lr",
+                    "s_lr": "dense-s-lr", "g_steps": "dense-g-steps",
+                    "s_steps": "dense-s-steps", "adv_weight": "dense-adv-weight",
+                    "act_weight": "dense-act-weight", "epsilon": "co-boosting-epsilon",
+                    "perturb_steps": "co-boosting-perturb-steps",
+                    "perturbation": "co-boosting-perturbation",
+                    "hardness": "co-boosting-hardness", "weight_lr": "co-boosting-weight-lr",
+                    "weight_decay": "co-boosting-weight-decay",
+                    "weight_steps": "co-boosting-weight-steps"},
+    "fens": {"hidden": "fens-hidden",
+             "rounds": "fens-rounds", "patience": "fens-patience",
+             "server_optimizer": "fens-server-optimizer", "server_lr": "fens-server-lr",
+             "local_epochs": "fens-local-epochs", "local_lr": "fens-lr",
+             "local_batch_size": "fens-batch-size", "base": "fens-base"},
     "fedprox": {"prox_mu": "prox-mu"},
     "regmean": {"alphas": "regmean-alpha"},
     "otfusion": {"mode": "otfusion-mode"},
@@ -444,6 +515,11 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
     client_config: dict[str, Any] = {}
     if settings.partition_sha256:  # each client checks its copy of the partition file
         client_config["partition-sha256"] = settings.partition_sha256
+    holdout = resolved_holdout(settings)
+    if holdout > 0:  # rows kept out of local training (FENS' aggregator is trained on them)
+        client_config["holdout-fraction"] = holdout
+    if cls.name == "fens":  # 0 in the run config means FENS' own, resolved above
+        kwargs["holdout_fraction"] = holdout
     if settings.contrastive_weight > 0:  # MOON-style clients, any strategy
         client_config.update({"contrastive-weight": settings.contrastive_weight,
                               "contrastive-temperature": settings.contrastive_temperature})
@@ -465,6 +541,11 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             norm_stats=settings.norm_stats,
             screen_factor=settings.screen_factor,
             num_examples_cap=settings.num_examples_cap,
+            distill=settings.distill,
+            distill_epochs=settings.distill_epochs,
+            distill_lr=settings.distill_lr,
+            distill_temperature=settings.distill_temperature,
+            distill_augment=settings.distill_augment,
             # identities are decided in live rounds; a replay's uploads carry theirs, so a
             # registry file that is gone since must not stop it
             client_registry=None if settings.replay else settings.client_registry or None,

@@ -33,6 +33,17 @@ from fedfusion.datasets import (
 from fedfusion.datasets.partition_file import read_partition_file
 
 
+def holdout_split(num_rows: int, fraction: float, seed: int, client_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows) of a client's ``num_rows``: ``floor(fraction * n)``
+    rows drawn by a generator of (seed, client) held out, so every round and process of a
+    run holds out the same rows (FENS trains its aggregator on them)."""
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(
+        (seed * 1_000_003 + client_id * 7919 + 17) % 2**62))
+    held = int(fraction * num_rows)
+    return order[held:].sort().values, order[:held].sort().values
+
+
 @dataclass(frozen=True)
 class FederatedSplit:
     bundle: DatasetBundle

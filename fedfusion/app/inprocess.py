@@ -33,3 +33,7 @@ class InProcessGrid(LocalGrid):
         self.settings = settings
         super().__init__(app, settings.num_clients, run_config=settings.to_mapping(),
                          node_configs=node_configs, tamper=tamper, crash=crash, delay=delay)
+
+    def node_of(self, client_id: int) -> int:
+        """The node that runs client ``client_id``."""
+        return self.node_ids[client_id]

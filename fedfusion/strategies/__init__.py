@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from fedfusion.strategies.ams import AdaptiveModelSelection
 from fedfusion.strategies.base import FusionResult, FusionStrategy
+from fedfusion.strategies.co_boosting import CoBoosting
 from fedfusion.strategies.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fedprox import FedProx
+from fedfusion.strategies.fens import FENS
 from fedfusion.strategies.fisher_merge import FisherMerge
 from fedfusion.strategies.fusion import Fusion
 from fedfusion.strategies.otfusion import OTFusion
@@ -26,6 +28,8 @@ STRATEGIES: dict[str, type[FusionStrategy]] = {
 }
 STRATEGIES.update({cls.name: cls for cls in (FedProx, StatisticalWeightAggregation)})
 STRATEGIES.update({cls.name: cls for cls in (AdaptiveModelSelection, PFNM)})  # issue 6
+STRATEGIES[FENS.name] = FENS
+STRATEGIES.update({CoBoosting.name: CoBoosting})
 
 
 def available_strategies() -> list[str]:
@@ -33,9 +37,11 @@ def available_strategies() -> list[str]:
 
 
 __all__ = [
+    "FENS",
     "PFNM",
     "STRATEGIES",
     "AdaptiveModelSelection",
+    "CoBoosting",
     "Dense",
     "FedAvg",
     "FedBEns",

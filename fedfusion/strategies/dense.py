@@ -115,7 +115,6 @@ Departures from the reference code (zj-jayzhang/DENSE, ``AdvSynthesizer`` + ``kd
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -128,8 +127,15 @@ from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import classification_metrics
 from fedfusion.normalization import running_stat_layers
 from fedfusion.predictors import Ensemble
+from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
+from fedfusion.synthesis import (
+    FALLBACK_RANGE,
+    Generator,
+    SamplePool,
+    input_stats_loss,
+    kl_teacher_student,
+)
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 log = logging.getLogger("fedfusion")
@@ -139,45 +145,6 @@ STATS_TERMS = ("auto", "bn", "input", "act", "none")
 DEFAULT_STATS_TERM = "auto"
 #: what "auto" means for teachers without BatchNorm statistics (measured: see the module doc)
 FALLBACK_STATS_TERM = "input"
-#: data range assumed per channel when there is no validation set to read it from
-FALLBACK_RANGE = (-2.0, 2.0)
-
-
-class Generator(nn.Module):
-    """Class-conditional DCGAN-like G: (z [B, d], y [B]) -> images [B, C, H, W] in
-    [low_c, high_c] per channel.
-
-    z * embed(y) (a learnt d-vector per class), linear d -> 2w * ceil(H/4) * ceil(W/4),
-    reshape, BN, LeakyReLU(0.2),
-    transposed conv4/2 2w->w (doubles the side), BN, LeakyReLU(0.2), transposed conv4/2 w->C,
-    crop to H x W, then x = low + (high - low) * (tanh + 1) / 2. Transposed convolutions,
-    not the reference's upsample + conv3 at full resolution: 5x cheaper on a CPU.
-    """
-
-    def __init__(self, latent_dim: int, input_shape: Sequence[int], num_classes: int,
-                 width: int, low: torch.Tensor, high: torch.Tensor):
-        super().__init__()
-        channels, self.height, self.width = (int(v) for v in input_shape)
-        self.seed_shape = (2 * width, math.ceil(self.height / 4), math.ceil(self.width / 4))
-        self.embed = nn.Embedding(num_classes, latent_dim)
-        self.fc = nn.Linear(latent_dim, math.prod(self.seed_shape))
-        self.body = nn.Sequential(
-            nn.BatchNorm2d(2 * width),
-            nn.LeakyReLU(0.2),
-            nn.ConvTranspose2d(2 * width, width, 4, stride=2, padding=1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.LeakyReLU(0.2),
-            nn.ConvTranspose2d(width, channels, 4, stride=2, padding=1),
-        )
-        self.register_buffer("low", low.reshape(1, -1, 1, 1).float())
-        self.register_buffer("high", high.reshape(1, -1, 1, 1).float())
-
-    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.fc(z * self.embed(y)).view(-1, *self.seed_shape)
-        out = self.body(h)[:, :, :self.height, :self.width]
-        return self.low + (self.high - self.low) * (torch.tanh(out) + 1) / 2
-
-
 def bn_stats_loss(h: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor
                   ) -> torch.Tensor:
     """DeepInversion's term at one BatchNorm layer: ``||mu(h) - running_mean||_2 +
@@ -231,48 +198,14 @@ class LogitEnsemble(nn.Module):
                                "bn_stats=True from members with BatchNorm, then call it")
         return torch.stack(self.bn_terms).sum() / len(self.members)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def member_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's logits, stacked: [K, B, num_classes] (resets the recorded terms)."""
         self.features = []
         self.bn_terms = []
-        return torch.stack([m(x) for m in self.members]).mean(0)
+        return torch.stack([m(x) for m in self.members])
 
-
-def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor,
-                       temperature: float = 1.0) -> torch.Tensor:
-    """Per-sample T^2 KL(softmax(t/T) || softmax(s/T)), shape [B]."""
-    log_pt = F.log_softmax(t_logits / temperature, dim=1)
-    log_ps = F.log_softmax(s_logits / temperature, dim=1)
-    return (log_pt.exp() * (log_pt - log_ps)).sum(1) * temperature**2
-
-
-def input_stats_loss(x: torch.Tensor) -> torch.Tensor:
-    """||mu_c(x)||_2 + ||sigma^2_c(x) - 1||_2: distance of the per-channel batch mean and
-    (biased) variance to the N(0, 1) statistics of normalised data."""
-    mean = x.mean(dim=(0, 2, 3))
-    var = x.var(dim=(0, 2, 3), unbiased=False)
-    return torch.linalg.vector_norm(mean) + torch.linalg.vector_norm(var - 1)
-
-
-class SamplePool:
-    """Ring buffer of the last ``capacity`` synthetic images and their teacher logits."""
-
-    def __init__(self, capacity: int, input_shape: Sequence[int], num_classes: int,
-                 device: torch.device):
-        self.x = torch.empty(capacity, *input_shape, device=device)
-        self.logits = torch.empty(capacity, num_classes, device=device)
-        self.size = self.next = 0
-
-    def add(self, x: torch.Tensor, logits: torch.Tensor) -> None:
-        capacity = self.x.shape[0]
-        index = (self.next + torch.arange(x.shape[0], device=x.device)) % capacity
-        self.x[index], self.logits[index] = x.detach(), logits.detach()
-        self.next = (self.next + x.shape[0]) % capacity
-        self.size = min(self.size + x.shape[0], capacity)
-
-    def sample(self, n: int, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """n rows drawn uniformly with replacement."""
-        index = torch.randint(self.size, (n,), generator=rng, device=self.x.device)
-        return self.x[index], self.logits[index]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.member_logits(x).mean(0)
 
 
 class Dense(FusionStrategy):
@@ -393,7 +326,7 @@ adv_mask, eval_fraction
         spec, device = self.context.model_spec, self.context.device
         members = [m for upload in uploads for m in self.context.member_models(upload)]
         self.stats_term_used = self.resolve_stats_term(members)
-        self.teacher = LogitEnsemble(members, bn_stats=self.stats_term_used == "bn").to(device)
+        self.teacher = self.make_teacher(members, self.stats_term_used == "bn").to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.context.seed)
             low, high = self.channel_range()
@@ -406,6 +339,10 @@ adv_mask, eval_fraction
             else:
                 self.student = spec.build()
         self.student = self.student.to(device).train()
+
+    def make_teacher(self, members: Sequence[nn.Module], bn_stats: bool) -> LogitEnsemble:
+        """The teacher over the members: DENSE's is the plain logit mean."""
+        return LogitEnsemble(members, bn_stats=bn_stats)
 
     # ------------------------------------------------------------------ losses
     def sample(self, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,14 +370,18 @@ adv_mask, eval_fraction
         x = self.generator(z, y)
         t_logits = self.teacher(x)
         s_logits = self.student(x)
-        ce = F.cross_entropy(t_logits, y)
+        ce = self.class_loss(t_logits, y)
         disagree = ((t_logits.argmax(1) != s_logits.argmax(1)).float() if self.adv_mask
                     else torch.ones_like(ce).expand(len(y)))
         adv = -(kl_teacher_student(t_logits, s_logits, self.temperature) * disagree).mean()
         stats = self.stats_loss(x)
         total = ce + self.adv_weight * adv + self.act_weight * stats
         return {"loss": total, "ce": ce, "adv": adv, "stats": stats, "x": x,
-                "t_logits": t_logits}
+                "t_logits": t_logits, "y": y}
+
+    def class_loss(self, t_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The generator's class term: CE(t(G(z, y)), y), the batch mean."""
+        return F.cross_entropy(t_logits, y)
 
     def student_loss(self, x: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
         """Batch-mean KL(p_t || p_s) on synthetic images x with teacher logits t_logits."""
@@ -467,8 +408,8 @@ adv_mask, eval_fraction
         spec = self.context.model_spec
         pool = SamplePool(self.pool_batches * self.batch_size, spec.input_shape,
                           spec.num_classes, device)
-        log.info("[dense] %d iterations x (%d G + %d student steps), batch %d, stats term %s, "
-                 "student from %s, on %s", self.epochs, self.g_steps, self.s_steps,
+        log.info("[%s] %d iterations x (%d G + %d student steps), batch %d, stats term %s, "
+                 "student from %s, on %s", self.name, self.epochs, self.g_steps, self.s_steps,
                  self.batch_size, self.stats_term_used, self.student_init, device)
         self.trace, self.best = [], {}
         best_state = self._snapshot()
@@ -482,18 +423,15 @@ adv_mask, eval_fraction
                 self.trace.append(entry)
                 if self._better(entry):
                     self.best, best_state = entry, self._snapshot()
-                log.info("[dense] iteration %d/%d: %s", it, self.epochs, " ".join(
+                log.info("[%s] iteration %d/%d: %s", self.name, it, self.epochs, " ".join(
                     f"{k} {v:.4g}" for k, v in entry.items() if k != "iteration"))
             if it == self.epochs:
                 break
             for _ in range(self.g_steps):
                 parts = self.generator_step(g_opt, pool, rng)
+            parts.update(self.teacher_step(pool, rng, it))
             for _ in range(self.s_steps if pool.size else 0):
-                s_opt.zero_grad(set_to_none=True)
-                kl = self.student_loss(*pool.sample(self.batch_size, rng))
-                kl.backward()
-                s_opt.step()
-                parts["s_kl"] = kl.item()
+                parts["s_kl"] = self.student_step(s_opt, pool, rng)
         self.seconds_per_iteration = (time.perf_counter() - start) / max(self.epochs, 1)
         if self.best:
             self.student.load_state_dict(best_state)
@@ -506,8 +444,23 @@ adv_mask, eval_fraction
         losses = self.generator_loss(*self.sample(rng))
         losses["loss"].backward(inputs=list(self.generator.parameters()))
         g_opt.step()
-        pool.add(losses["x"], losses["t_logits"])
+        pool.add(losses["x"], losses["t_logits"], losses["y"])
         return {f"g_{k}": losses[k].item() for k in ("loss", "ce", "adv", "stats")}
+
+    def teacher_step(self, pool: SamplePool, rng: torch.Generator, iteration: int
+                     ) -> dict[str, float]:
+        """A hook between the generator and the student steps: DENSE's teacher is fixed."""
+        return {}
+
+    def student_step(self, s_opt: torch.optim.Optimizer, pool: SamplePool,
+                     rng: torch.Generator) -> float:
+        """One SGD step of the student on the KL to the cached teacher logits of a pool
+        batch; returns the KL."""
+        s_opt.zero_grad(set_to_none=True)
+        kl = self.student_loss(*pool.sample(self.batch_size, rng))
+        kl.backward()
+        s_opt.step()
+        return kl.item()
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         assert self.student is not None

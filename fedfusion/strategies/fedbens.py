@@ -179,6 +179,8 @@ class FedBEns(FusionStrategy):
         self.dtype = dtype
         self.prune_margin, self.refresh_every = prune_margin, refresh_every
         self.mixture: MixtureObjective | None = None
+        #: the runs (= modes kept) of the last fusion
+        self.runs_used = 0
         #: seconds of the last fusion's phases: posterior (stacking the members), starts,
         #: optimise
         self.phase_seconds: dict[str, float] = {}
@@ -246,6 +248,7 @@ class FedBEns(FusionStrategy):
             starts = self.starting_points(uploads)
         with self._phase("optimise"):
             modes = self.optimise(starts, stacked, owner, len(uploads))
+        self.runs_used = len(starts)
         return Ensemble([spec.build(mode) for mode in modes], [spec] * len(modes))
 
     @contextlib.contextmanager
@@ -272,8 +275,11 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
-                "starts": self.start_rule(), "num_starts": self.num_starts,
-                "modes": self.modes,
+                # what ran (the requested 0 = "auto" resolved): runs from as many starts,
+                # each run's best iterate a mode, one forward pass per mode
+                "starts": self.start_rule(), "num_starts": self.runs_used,
+                "modes": self.runs_used, "forward_passes": self.runs_used,
+                "num_starts_requested": self.num_starts, "modes_requested": self.modes,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
                 "mixture": self.mixture.report() if self.mixture is not None else {},

@@ -65,8 +65,8 @@ from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
+from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.strategies.server_optim import ServerOptimiser
 from fedfusion.wire import WEIGHTS, ClientUpload
 

@@ -36,8 +36,8 @@ from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import DiagCurvature, curvature_from_arrays
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
+from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 SECTION = curvature_section("diag")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.distillation import DistillOptions, distil
 from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_device
 from fedfusion.normalization import NORM_STATS, recalibrate
 from fedfusion.predictors import Ensemble
@@ -112,6 +113,21 @@ FUSION_PARAMETERS = """
         if fusion fails (e.g. a ``fedfusion.upload_store.UploadWriter`` of a folder). A
         sink with a ``write(upload)`` method (the ``UploadWriter``) is also given each valid
         upload as its reply arrives.
+    distill : {"none", "val", "synthetic"}, default "none"
+        One network out of the fused predictor (:mod:`fedfusion.distillation`): "val"
+        distils it (the teacher, kept as :attr:`distill_teacher`) into one network of the broadcast
+        architecture on ``val``'s inputs (augmented; labels only pick the best iterate),
+        "synthetic" on DENSE's generator's images; the student starts from the FedAvg of
+        the clients' first members where they share the architecture, else a seeded init.
+    distill_epochs : int, default 30
+        Distillation epochs (passes over ``val``'s inputs); 0 returns the student's start.
+    distill_lr : float, default 0.001
+        Adam learning rate of the student.
+    distill_temperature : float, default 1.0
+        T of the loss T^2 KL(softmax(log p_teacher / T) || softmax(student / T)).
+    distill_augment : bool, default True
+        "val": random shifts of images and mixup of half of each batch (off: the plain
+        validation inputs).
 """
 
 
@@ -137,6 +153,9 @@ class Fusion(ABC):
     #: real_models.py replays FedAvg and FedBEns under both rules)
     default_norm_stats: ClassVar[str] = "recalibrate"
 
+    #: False where the predictor is finished later than :meth:`fuse` (FENS' aggregator
+    #: rounds), which then distils it itself
+    distils_after_fuse: ClassVar[bool] = True
     #: the argument documentation appended to a subclass's ``Parameters`` section
     parameters_doc: ClassVar[str] = FUSION_PARAMETERS
 
@@ -160,6 +179,11 @@ class Fusion(ABC):
         screen_factor: float = 10.0,
         num_examples_cap: float = 3.0,
         upload_sink: Callable[[list[ClientUpload]], None] | None = None,
+        distill: str = "none",
+        distill_epochs: int = 30,
+        distill_lr: float = 1e-3,
+        distill_temperature: float = 1.0,
+        distill_augment: bool = True,
     ):
         val_data = as_labelled(val, "val") if val is not None else None
         spec = ModelSpec.from_model_fn(model_fn)
@@ -212,6 +236,18 @@ class Fusion(ABC):
         self.fuse_seconds = 0.0
         #: BatchNorm layers whose statistics the last fusion re-estimated (``norm_stats``)
         self.recalibrated_layers = 0
+        #: distillation of the fused predictor into one network (:mod:`fedfusion.distillation`)
+        self.distill_options = DistillOptions(distill, distill_epochs, distill_lr,
+                                              distill_temperature, augment=distill_augment,
+                                              seed=seed)
+        self.distill_options.check()
+        _check("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
+               "'none' or 'synthetic' without a validation set ('val' distils on its inputs: "
+               "pass val=...)")
+        #: the fused predictor before distillation (None without ``distill``)
+        self.distill_teacher: nn.Module | None = None
+        #: the last distillation's report (teacher's and student's validation metrics, trace)
+        self.distill_report: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ fusion
     @abstractmethod
@@ -253,10 +289,33 @@ class Fusion(ABC):
         start = time.perf_counter()
         self.predictor = self.fuse(uploads)
         self.recalibrated_layers = self._apply_norm_stats(self.predictor)
+        if self.distill_options.mode != "none" and self.distils_after_fuse:
+            self.distill_teacher, self.predictor = self.predictor, self._distil(self.predictor,
+                                                                                uploads)
         self.fuse_seconds += time.perf_counter() - start
         self._check_predictor(self.predictor)
         self._check_chance(self.predictor, server_round)
         return self.predictor
+
+    def _distil(self, teacher: nn.Module, uploads: Sequence[ClientUpload]) -> nn.Module:
+        """``teacher`` distilled into one network of the broadcast architecture
+        (:func:`fedfusion.distillation.distil`), starting from the sample-weighted FedAvg of
+        the first members of the clients on that architecture (where there are any; else a
+        fresh init seeded by ``seed``); the report in :attr:`distill_report`."""
+        from fedfusion.state import weighted_average
+
+        spec = self.context.model_spec
+        same = [u for u in uploads if spec.same_architecture(u.model, u.model_kwargs)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.context.seed)
+            student = spec.build(weighted_average([u.weights(0) for u in same],
+                                                  [u.num_examples for u in same])
+                                 if same else None)
+        result = distil(teacher, student, self.context.val, self.distill_options,
+                        self.context.device, spec.input_shape)
+        self.distill_report = {"student_init": "fedavg" if same else "random",
+                               **result.report}
+        return Ensemble([result.student], [spec])
 
     def _screen(self, uploads: list[ClientUpload], server_round: int
                 ) -> tuple[list[ClientUpload], list[ClientUpload]]:

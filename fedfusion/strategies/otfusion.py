@@ -102,8 +102,8 @@ from torch import fx, nn
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.gram import forward_with_hooks
 from fedfusion.predictors import Ensemble
+from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")

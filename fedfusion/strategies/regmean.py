@@ -62,8 +62,8 @@ from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import evaluate
 from fedfusion.gram import check_gram_names, gram_layers, model_gram_sizes
 from fedfusion.predictors import Ensemble
+from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.fedavg import weighted_average
 from fedfusion.wire import WEIGHTS, ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")

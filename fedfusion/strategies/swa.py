@@ -67,7 +67,8 @@ from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
-from fedfusion.strategies.fedavg import FedAvg, weighted_average
+from fedfusion.state import weighted_average
+from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.wire import ClientUpload, NumpyDict
 
 #: the ``swa-distance`` choices

@@ -1,0 +1,98 @@
+"""A client's part of FENS' aggregator rounds, for any ClientApp.
+
+The first aggregator message a client gets holds the K uploaded models: it computes their
+log-probabilities on its held-out rows once and keeps them (and the labels) in the node's
+``context.state``, which Flower keeps across the rounds of a run; every later message holds
+only the global aggregator. Each round: load it, take the local epochs the train config
+asks for (:class:`~fedfusion.strategies.fens.training.LocalTraining`), send it back with the
+row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from torch import nn
+
+from fedfusion.predictors import LogitAggregator
+from fedfusion.state import load_state_arrays
+from fedfusion.strategies.fens.training import (
+    AGGREGATOR_RECORD,
+    HIDDEN_KEY,
+    MODELS_RECORD,
+    NUM_CLASSES_KEY,
+    NUM_MODELS_KEY,
+    PHASE_AGGREGATOR,
+    PHASE_KEY,
+    LocalTraining,
+    features,
+    train_locally,
+)
+from fedfusion.wire import decode_models
+
+#: where ``context.state`` keeps the client's features and labels between rounds
+FEATURES_STATE = "fedfusion.fens.features"
+
+
+def is_aggregator_round(msg: Message | RecordDict) -> bool:
+    """True when the server's message is one of FENS' aggregator rounds."""
+    content = msg.content if isinstance(msg, Message) else msg
+    return "config" in content and content["config"].get(PHASE_KEY) == PHASE_AGGREGATOR
+
+
+def aggregator_round(content: RecordDict, state: RecordDict,
+                     model_fn: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor,
+                     seed: int = 0) -> RecordDict:
+    """The reply content of one aggregator round on the held-out rows ``(x, y)``: the
+    client's new aggregator and its row count (``x`` is used in the first round only)."""
+    config = content["config"]
+    num_models, num_classes = int(config[NUM_MODELS_KEY]), int(config[NUM_CLASSES_KEY])
+    if MODELS_RECORD in content:
+        models = []
+        for m, weights in enumerate(decode_models(content[MODELS_RECORD])):
+            with torch.random.fork_rng(devices=[]):
+                model = model_fn()
+            try:
+                load_state_arrays(model, weights)
+            except RuntimeError as exc:
+                raise ValueError(f"FENS: uploaded model {m} does not fit model_fn()'s "
+                                 f"network: {exc}") from exc
+            models.append(model)
+        if len(models) != num_models:
+            raise ValueError(f"FENS: the server sent {len(models)} models for an aggregator "
+                             f"over {num_models}")
+        z = features(models, x) if len(x) else torch.empty(0, num_models, num_classes)
+        state[FEATURES_STATE] = ArrayRecord({
+            "z": Array(np.ascontiguousarray(z.numpy())),
+            "y": Array(np.ascontiguousarray(y.long().numpy()))})
+    if FEATURES_STATE not in state:
+        raise ValueError("FENS: an aggregator round without the models, and no features "
+                         "kept from an earlier one (was this node restarted mid-run?)")
+    kept = state[FEATURES_STATE]
+    z, labels = torch.from_numpy(kept["z"].numpy()), torch.from_numpy(kept["y"].numpy())
+    if tuple(z.shape[1:]) != (num_models, num_classes):
+        raise ValueError(f"FENS: kept features are {tuple(z.shape)}, the server's aggregator "
+                         f"takes {num_models} models x {num_classes} classes")
+    with torch.random.fork_rng(devices=[]):
+        aggregator = LogitAggregator(num_models, num_classes, int(config[HIDDEN_KEY]))
+    received = content[AGGREGATOR_RECORD]
+    aggregator.load_state_dict({k: torch.from_numpy(np.array(received[k].numpy()))
+                                for k in aggregator.state_dict()})
+    loss = 0.0
+    if len(labels):
+        loss = train_locally(aggregator, z, labels, LocalTraining.from_config(config),
+                             seed * 1_000_003 + int(config.get("server-round", 0)))
+    return RecordDict({
+        AGGREGATOR_RECORD: ArrayRecord({k: Array(v.detach().numpy().copy())
+                                        for k, v in aggregator.state_dict().items()}),
+        "metrics": MetricRecord({"num-examples": len(labels), "fens.loss": loss})})
+
+
+def reply(msg: Message, state: RecordDict, model_fn: Callable[[], nn.Module],
+          x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Message:
+    """The Flower reply to an aggregator round (:func:`aggregator_round`)."""
+    return Message(content=aggregator_round(msg.content, state, model_fn, x, y, seed),
+                   reply_to=msg)

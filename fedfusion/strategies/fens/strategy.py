@@ -1,0 +1,364 @@
+"""FENS (Allouah et al., NeurIPS 2024, "Revisiting Ensembling in One-Shot Federated
+Learning"): one-shot uploads, then a small aggregator over the uploaded models' outputs
+trained by a few cheap federated rounds.
+
+Round 1 is any one-shot round: every client trains its M members on all but a held-out
+fraction ``holdout_fraction`` of its rows (sent in the train config as ``holdout-fraction``)
+and uploads them. The K = sum_c M_c uploaded models then go to every client once; each
+computes their log-probabilities z(x) ``[K, C]`` on its held-out rows, keeps them, and from
+then on each aggregator round moves only the aggregator g
+(:class:`~fedfusion.predictors.LogitAggregator`: per-model class weights, plus FENS' shallow
+network over the concatenated outputs when ``hidden > 0``) by local SGD and a server step
+(:mod:`fedfusion.strategies.fens.training`). g starts as the mean of the models'
+log-probabilities; the server scores it on its validation set after every round and keeps
+the best, stopping after ``patience`` rounds without improvement (or ``rounds`` in all).
+Prediction: softmax(g(z(x))), one forward pass of every uploaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from torch import nn
+
+from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.evaluation import classification_metrics
+from fedfusion.predictors import AggregatedEnsemble, Ensemble, LogitAggregator
+from fedfusion.state import state_arrays
+from fedfusion.strategies.base import (
+    MODEL_KEY,
+    MODEL_KWARGS_KEY,
+    ROUND_KEY,
+    FusionResult,
+    FusionStrategy,
+)
+from fedfusion.strategies.client_errors import parse_client_error
+from fedfusion.strategies.fedbens import FedBEns
+from fedfusion.strategies.fens.training import (
+    AGGREGATOR_RECORD,
+    HIDDEN_KEY,
+    MODELS_RECORD,
+    NUM_CLASSES_KEY,
+    NUM_MODELS_KEY,
+    PHASE_AGGREGATOR,
+    PHASE_KEY,
+    LocalTraining,
+    ServerOptimizer,
+    features,
+)
+from fedfusion.wire import ClientUpload, encode_models
+
+log = logging.getLogger("fedfusion")
+
+#: the train-config key of round 1 by which the server asks the clients to hold rows out
+HOLDOUT_KEY = "holdout-fraction"
+#: the FENS paper's proxy ratio: the fraction of each client's rows held out
+FENS_HOLDOUT = 0.1
+#: what the aggregator combines: the uploaded members, or FedBEns' modes of them
+BASES = ("members", "fedbens")
+
+
+class FENS(FusionStrategy):
+    """One-shot uploads, then an aggregator over their outputs trained federatedly.
+
+    Parameters
+    ----------
+    holdout_fraction : float, default 0.1
+        Fraction of each client's rows kept out of local training for the aggregator (the
+        FENS paper's proxy ratio); sent to the clients in round 1.
+    hidden : int, default 0
+        Width of the aggregator's shallow network over the concatenated outputs (FENS'
+        own aggregator: 2K); 0 keeps the per-model class weighting alone.
+    rounds : int, default 100
+        At most this many aggregator rounds.
+    patience : int, default 10
+        Stop once the validation score has not improved in this many rounds (0: never).
+    server_optimizer : {"fedadam", "fedavg"}, default "fedadam"
+        The server's step on the aggregator.
+    server_lr : float, default 0.05
+        FedAdam's step size.
+    local_epochs, local_lr, local_batch_size :
+        Each client's SGD (momentum 0.9) per aggregator round.
+    base : {"members", "fedbens"}, default "members"
+        The models the aggregator combines: every uploaded member (FENS), or FedBEns'
+        modes of the same uploads (its defaults; the clients then upload its curvature).
+    """
+
+    name = "fens"
+    member_fusions = ("all", "first")
+    keeps_client_models = True
+    distils_after_fuse = False  # the predictor is finished by the aggregator rounds
+
+    def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
+                 holdout_fraction: float = FENS_HOLDOUT, hidden: int = 0, rounds: int = 100,
+                 patience: int = 10, server_optimizer: str = "fedadam",
+                 server_lr: float = 0.05, local_epochs: int = 1, local_lr: float = 0.1,
+                 local_batch_size: int = 64, base: str = "members", **kwargs: Any):
+        super().__init__(model_fn, **kwargs)
+        if base not in BASES:
+            raise ValueError(f"base must be one of {BASES}, got {base!r}")
+        self.base = base
+        #: FedBEns on the same context, whose modes are the base models (base="fedbens")
+        self.fedbens: FedBEns | None = None
+        if base == "fedbens":
+            self.fedbens = FedBEns(self.context.model_spec, num_members=self.num_members)
+            self.fedbens.context = self.context
+            self.required_sections = self.fedbens.required_sections
+        if not 0 < holdout_fraction < 1:
+            raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction!r}")
+        if hidden < 0 or rounds < 0 or patience < 0:
+            raise ValueError(f"hidden, rounds and patience must be >= 0, got {hidden}, "
+                             f"{rounds}, {patience}")
+        self.holdout_fraction, self.hidden = float(holdout_fraction), int(hidden)
+        self.rounds, self.patience = int(rounds), int(patience)
+        self.server_optimizer = ServerOptimizer(server_optimizer, server_lr)
+        self.local_training = LocalTraining(local_epochs, local_lr, 0.9, local_batch_size)
+        self.client_config[HOLDOUT_KEY] = self.holdout_fraction
+        self.aggregator: LogitAggregator | None = None
+        #: per aggregator round: clients, held-out rows, validation accuracy and NLL
+        self.trace: list[dict[str, Any]] = []
+        self.best_round = 0
+        self.aggregator_seconds = 0.0
+        #: bytes each node received and sent in the aggregator rounds
+        self.bytes_down: dict[int, int] = {}
+        self.bytes_up: dict[int, int] = {}
+        self._served: set[int] = set()
+        self._val_features: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ round 1
+    def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
+        """The uploaded models under the initial aggregator (the mean of their
+        log-probabilities); :meth:`train_aggregator` trains it."""
+        models: list[nn.Module] = []
+        specs: list[ModelSpec] = []
+        if self.fedbens is not None:
+            modes = self.fedbens.fuse(uploads)
+            assert isinstance(modes, Ensemble)
+            models, specs = list(modes.members), list(modes.specs)
+        for upload in uploads if self.fedbens is None else ():
+            models += self.context.member_models(upload)
+            specs += [self.context.spec_for(upload)] * upload.num_members
+        # a user's model_fn without a validation set: the classes from the clients' histograms
+        num_classes = self.context.model_spec.num_classes or len(
+            uploads[0].metrics.get("class-histogram", []))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.context.seed)
+            self.aggregator = LogitAggregator(len(models), num_classes, self.hidden)
+        self._val_features = None
+        return AggregatedEnsemble(models, specs, self.aggregator)
+
+    def start(self, grid: Grid, *args: Any, evaluate_fn: Callable[[int, ArrayRecord],
+              MetricRecord | None] | None = None, **kwargs: Any) -> FusionResult:
+        """Round 1 (the one-shot uploads, :meth:`FusionStrategy.start`), then
+        :meth:`train_aggregator` on the same grid; ``evaluate_fn`` sees both results."""
+        kwargs["num_rounds"] = 1
+        result = super().start(grid, *args, evaluate_fn=evaluate_fn, **kwargs)
+        used = self.train_aggregator(grid)
+        members = self.predictor.members if isinstance(self.predictor, Ensemble) else []
+        result.arrays = (ArrayRecord(members[0].state_dict()) if len(members) == 1
+                         else self.broadcast_arrays(self.predictor))
+        if evaluate_fn is not None:
+            metrics = evaluate_fn(1 + used, result.arrays)
+            if metrics is not None:
+                result.evaluate_metrics_serverapp[1 + used] = metrics
+        result.predictor = self.predictor
+        return result
+
+    # ------------------------------------------------------------------ aggregator rounds
+    def train_aggregator(self, grid: Grid, nodes: Sequence[int] | None = None) -> int:
+        """Train the aggregator of the last :meth:`fuse` with the clients of ``grid``: the
+        nodes whose uploads were fused, else (a replay) every connected node. Returns the
+        aggregator rounds run; the predictor keeps the best-validated aggregator."""
+        if self.aggregator is None or self.predictor is None:
+            raise RuntimeError("FENS trains its aggregator after fusing uploads: call start() "
+                               "or fuse_uploads() first")
+        if nodes is None:
+            nodes = [u.node_id for u in self.uploads if u.node_id is not None] or sorted(
+                grid.get_node_ids())
+        assert isinstance(self.predictor, AggregatedEnsemble)
+        models = list(self.predictor.members)
+        model_record = encode_models([state_arrays(m) for m in models])
+        model_bytes = sum(a.numpy().nbytes for a in model_record.values())
+        start = time.perf_counter()
+        best = self._score()
+        best_state = _clone(self.aggregator.state_dict())
+        self.trace = [{"round": 0, **best}]
+        self.best_round, stale, used = 0, 0, 0
+        log.info("[fens] training the aggregator (%d models, hidden %d) with %d client(s): at "
+                 "most %d rounds, patience %d", len(models), self.hidden, len(nodes),
+                 self.rounds, self.patience)
+        for used in range(1, self.rounds + 1):
+            state = _clone(self.aggregator.state_dict())
+            record = ArrayRecord({k: Array(v.numpy()) for k, v in state.items()})
+            state_bytes = sum(v.numel() * v.element_size() for v in state.values())
+            messages = []
+            for node in nodes:
+                content = RecordDict({AGGREGATOR_RECORD: record,
+                                      "config": self._round_config(1 + used)})
+                self.bytes_down[node] = self.bytes_down.get(node, 0) + state_bytes
+                if node not in self._served:
+                    content[MODELS_RECORD] = model_record
+                    self.bytes_down[node] += model_bytes
+                messages.append(Message(content=content, dst_node_id=node,
+                                        message_type=MessageType.TRAIN))
+            replies = grid.send_and_receive(messages, timeout=self.round_timeout)
+            client_states, weights = self._collect(1 + used, replies, messages, state,
+                                                   state_bytes)
+            new_state = self.server_optimizer.step(state, client_states, weights)
+            self.aggregator.load_state_dict(new_state)
+            score = self._score()
+            self.trace.append({"round": used, "clients": len(client_states),
+                               "rows": int(sum(weights)), **score})
+            if score and self._better(score, best):
+                best, best_state, self.best_round, stale = score, _clone(new_state), used, 0
+            else:
+                stale += 1
+            if score:
+                log.info("[fens] round %d: %d client(s), validation accuracy %.4f, NLL %.4f",
+                         used, len(client_states), score["val_accuracy"], score["val_nll"])
+            if not client_states:
+                log.warning("[fens] aggregator round %d: no client trained it; stopping", used)
+                break
+            if self.patience and stale >= self.patience:
+                break
+        if best:  # with validation: the best round's aggregator, else the last one
+            self.aggregator.load_state_dict(best_state)
+        self.aggregator_seconds += time.perf_counter() - start
+        if self.distill_options.mode != "none":
+            self.distill_teacher, self.predictor = self.predictor, self._distil(self.predictor,
+                                                                        self.uploads)
+        self._check_chance(self.predictor, 1 + used)
+        return used
+
+    def _round_config(self, server_round: int) -> ConfigRecord:
+        spec = self.context.model_spec
+        assert self.aggregator is not None
+        return ConfigRecord({
+            ROUND_KEY: server_round, PHASE_KEY: PHASE_AGGREGATOR, MODEL_KEY: spec.name,
+            MODEL_KWARGS_KEY: json.dumps(spec.kwargs, sort_keys=True),
+            HIDDEN_KEY: self.hidden, NUM_MODELS_KEY: self.aggregator.num_models,
+            NUM_CLASSES_KEY: self.aggregator.num_classes, HOLDOUT_KEY: self.holdout_fraction,
+            **self.local_training.to_config(), **self.client_config})
+
+    def _collect(self, server_round: int, replies: Iterable[Message],
+                 sent: Sequence[Message], state: dict[str, torch.Tensor], state_bytes: int
+                 ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+        """Each reply's aggregator and row count, checked: same names and shapes as the
+        global one, finite, rows a whole number; a bad reply, and a node that sends none,
+        is excluded for the round. A reply is the node's its message was sent to (the grid
+        writes each message's id as it pushes it)."""
+        client_states, weights = [], []
+        replied: set[int] = set()
+        owner = {m.metadata.message_id: m.metadata.dst_node_id for m in sent
+                 if m.metadata.message_id}
+        addressed = {m.metadata.dst_node_id for m in sent}
+        for reply in replies:
+            node = owner.get(reply.metadata.reply_to_message_id)
+            if node is None and not owner and reply.metadata.src_node_id in addressed:
+                node = reply.metadata.src_node_id  # a grid that gives messages no ids
+            if node is None or node in replied:
+                continue  # not an answer to this round's messages
+            replied.add(node)
+            if reply.has_error():
+                self.exclude(server_round, f"node {node}", "client error: "
+                             f"{parse_client_error(reply.error.reason)}")
+                continue
+            try:
+                record = reply.content[AGGREGATOR_RECORD]
+                client_state = {k: torch.from_numpy(np.array(record[k].numpy(), np.float32))
+                                for k in state}
+                rows = reply.content["metrics"]["num-examples"]
+            except (KeyError, TypeError, ValueError) as exc:
+                self.exclude(server_round, f"node {node}", f"malformed aggregator reply: {exc}")
+                continue
+            problem = _check_state(client_state, state, rows)
+            if problem:
+                self.exclude(server_round, f"node {node}", problem)
+                continue
+            self._served.add(node)
+            self.bytes_up[node] = self.bytes_up.get(node, 0) + state_bytes
+            if rows:
+                client_states.append(client_state)
+                weights.append(float(rows))
+        for message in sent:
+            if message.metadata.dst_node_id not in replied:
+                self.exclude(server_round, f"node {message.metadata.dst_node_id}",
+                             f"no aggregator reply within {self.round_timeout:g} s")
+        return client_states, weights
+
+    def _score(self) -> dict[str, float]:
+        """Validation accuracy and NLL of the current aggregator (empty without ``val``)."""
+        val = self.context.val
+        if val is None or not len(val) or self.aggregator is None:
+            return {}
+        if self._val_features is None:
+            assert isinstance(self.predictor, AggregatedEnsemble)
+            self._val_features = features(list(self.predictor.members), val.x)
+        with torch.no_grad():
+            log_probs = torch.log_softmax(self.aggregator(self._val_features), -1)
+        metrics = classification_metrics(log_probs, val.y)
+        return {"val_accuracy": metrics["accuracy"], "val_nll": metrics["nll"]}
+
+    @staticmethod
+    def _better(score: dict[str, float], best: dict[str, float]) -> bool:
+        return (score["val_accuracy"], -score["val_nll"]) > (best["val_accuracy"],
+                                                             -best["val_nll"])
+
+    def report(self) -> dict[str, Any]:
+        nodes = sorted(self.bytes_down)
+        return {
+            "holdout_fraction": self.holdout_fraction, "hidden": self.hidden,
+            "base": self.base,
+            **({"fedbens": self.fedbens.report()} if self.fedbens is not None else {}),
+            "server_optimizer": self.server_optimizer.kind,
+            "server_lr": self.server_optimizer.lr,
+            "local_training": self.local_training.to_config(),
+            "aggregator_rounds": len(self.trace) - 1 if self.trace else 0,
+            "rounds": 1 + (len(self.trace) - 1 if self.trace else 0),
+            "best_round": self.best_round, "aggregator_seconds": self.aggregator_seconds,
+            "forward_passes": self.aggregator.num_models if self.aggregator else 0,
+            # the aggregator rounds' traffic, per client (round 1's is the upload's)
+            "aggregator_download_bytes_per_client": float(np.mean(
+                [self.bytes_down[n] for n in nodes])) if nodes else 0.0,
+            "aggregator_upload_bytes_per_client": float(np.mean(
+                [self.bytes_up.get(n, 0) for n in nodes])) if nodes else 0.0,
+            "trace": self.trace,
+        }
+
+
+def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _check_state(client: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                 rows: object) -> str:
+    """Why a client's aggregator reply cannot be averaged ('' when it can)."""
+    if isinstance(rows, bool) or not isinstance(rows, int | float) or not (
+            0 <= rows <= 10**9) or int(rows) != rows:
+        return f"num-examples must be a whole number in 0..1e9, got {rows!r}"
+    for name, value in state.items():
+        if tuple(client[name].shape) != tuple(value.shape):
+            return (f"aggregator entry {name!r} has shape {tuple(client[name].shape)}, the "
+                    f"server's {tuple(value.shape)}")
+        if not torch.isfinite(client[name]).all():
+            return f"aggregator entry {name!r} holds NaN or Inf"
+    if not math.isfinite(sum(float(v.abs().max()) for v in client.values())):
+        return "aggregator values overflow"
+    return ""
