@@ -22,9 +22,15 @@ alike (``log_softmax`` removes the constant). The inputs (``mode``):
   - images ``[B, C, H, W]``: a random shift of each image by (dy, dx) uniform in
     ``{-r..r}^2`` with ``r = max(1, min(H, W) // 8)`` (3 pixels on 28 x 28, 4 on 32 x 32),
     i.e. replicate-padding by r and a random H x W crop;
-  - any input: mixup (Zhang et al. 2018) of a fraction ``mixup`` of the batch,
+  - any float input: mixup (Zhang et al. 2018) of a fraction ``mixup`` of the batch,
     x~_i = lam_i x_i + (1 - lam_i) x_pi(i) with lam_i ~ U(0, 1) (= Beta(1, 1)) and pi a
     random permutation of the batch.
+
+  Integer inputs (token ids into an ``nn.Embedding``) and bool masks have no shift or convex
+  combination that is again an input of the model (a shifted or mixed token id is another
+  token, not a blend), so for them the augmentation is skipped: the student sees the plain
+  validation inputs, logged and recorded in the report (``"augmented": false`` with
+  ``"augment_skipped"``, the reason).
 
 * ``"synthetic"``: no data at all: DENSE's class-conditional generator
   (:class:`fedfusion.strategies.dense.Generator`) is trained against the teacher with DENSE's
@@ -36,7 +42,9 @@ alike (``log_softmax`` removes the constant). The inputs (``mode``):
   images lie in the per-channel range of ``val.x`` (else DENSE's fallback range). An epoch
   is as many student steps as a ``"val"`` epoch (``ceil(len(val) / batch_size)``, or 8
   without a validation set). DENSE's own teacher is the mean of the members' logits; here
-  the teacher is whatever predictor the strategy fused.
+  the teacher is whatever predictor the strategy fused. The generator makes float images;
+  a model whose inputs are integers (token ids) or bool cannot be fed them, so
+  ``"synthetic"`` with non-float validation inputs is refused (use ``"val"``).
 
 The student starts where the caller built it (the Fusion core: the sample-weighted FedAvg
 of the clients' first members when they share the broadcast architecture, as DENSE's
@@ -160,9 +168,21 @@ def mixup(x: torch.Tensor, fraction: float, rng: torch.Generator) -> torch.Tenso
     return lam * x + (1 - lam) * x[perm]
 
 
+#: why ``"val"`` distillation does not augment integer or bool inputs (module docstring)
+NO_AUGMENT_REASON = ("the inputs are {dtype}: shifts and mixup of token ids or masks are not "
+                     "inputs of the model, so the plain validation inputs are used")
+#: why ``"synthetic"`` distillation cannot serve a model of integer or bool inputs
+NO_SYNTHETIC_REASON = ("distill='synthetic' generates float images with DENSE's generator and "
+                       "cannot generate {dtype} inputs (token ids, masks) for this model; "
+                       "use distill='val', which distils on the validation inputs")
+
+
 def augment(x: torch.Tensor, options: DistillOptions, rng: torch.Generator) -> torch.Tensor:
     """The ``"val"`` augmentation: shifts of images (4-d inputs; ``shift``), then mixup (of
-    a fraction ``mixup`` of the batch)."""
+    a fraction ``mixup`` of the batch). Integer and bool inputs are returned as they are
+    (:data:`NO_AUGMENT_REASON`)."""
+    if not x.is_floating_point():
+        return x
     if x.dim() == 4 and options.shift:
         x = shift_images(x, max(1, min(x.shape[2], x.shape[3]) // 8), rng)
     return mixup(x, options.mixup, rng) if options.mixup > 0 else x
@@ -227,6 +247,8 @@ def distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOpt
     with torch.random.fork_rng(devices=forked), _frozen(teacher):
         torch.manual_seed(options.seed)
         shape = tuple(val.x.shape[1:]) if has_val else tuple(input_shape or ())
+        if options.mode == "synthetic" and has_val and not val.x.is_floating_point():
+            raise ValueError(NO_SYNTHETIC_REASON.format(dtype=val.x.dtype))
         if options.mode == "synthetic" and len(shape) != 3:
             raise ValueError(f"distill='synthetic' generates images [C, H, W]; the inputs "
                              f"are {shape or 'unknown (no validation set, no input_shape)'}")
@@ -243,6 +265,13 @@ def _distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOp
     source = (_SyntheticInputs(teacher, student, val, input_shape, options, device, rng)
               if options.mode == "synthetic" else None)
     report: dict[str, Any] = {"options": asdict(options), "steps_per_epoch": steps}
+    augmenting = options.mode == "val" and options.augment
+    if augmenting and not val.x.is_floating_point():
+        augmenting = False
+        report["augment_skipped"] = NO_AUGMENT_REASON.format(dtype=val.x.dtype)
+        log.info("[distill] augmentation skipped: %s", report["augment_skipped"])
+    if options.mode == "val":
+        report["augmented"] = augmenting
     if val is not None:
         report["teacher_val"] = _score(teacher, val, device)
     trace: list[dict[str, float]] = []
@@ -252,7 +281,7 @@ def _distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOp
     student.train()
     log.info("[distill] %s: %d epoch(s) x %d step(s) of batch %d, T=%g, lr %g, augment %s",
              options.mode, options.epochs, steps, options.batch_size, options.temperature,
-             options.lr, options.augment if options.mode == "val" else "-")
+             options.lr, augmenting if options.mode == "val" else "-")
     loss_sum = 0.0
     for epoch in range(options.epochs + 1):
         entry: dict[str, float] = {"epoch": epoch}
@@ -283,7 +312,7 @@ def _distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOp
                 assert order is not None
                 x = val.x[order[i * options.batch_size:(i + 1) * options.batch_size]]
                 x = x.to(device)
-                if options.augment:
+                if augmenting:
                     x = augment(x, options, rng)
                 with torch.no_grad():
                     t_log_probs = teacher(x)

@@ -19,7 +19,8 @@ ECE_BINS = 15
 
 @dataclass(frozen=True)
 class Labelled:
-    """Inputs and labels of one data set: ``x`` float ``[N, ...]``, ``y`` int64 ``[N]``
+    """Inputs and labels of one data set: ``x`` ``[N, ...]`` (float32, or integer / bool for
+    token ids and masks), ``y`` int64 ``[N]``
     (the App's :class:`~fedfusion.datasets.ImageData` is one)."""
 
     x: torch.Tensor
@@ -35,7 +36,8 @@ LabelledData = Any
 
 
 def as_labelled(data: LabelledData, what: str = "data") -> Labelled:
-    """``data`` as one :class:`Labelled` (float inputs, int64 labels)."""
+    """``data`` as one :class:`Labelled` (int64 labels; float inputs as float32, integer and
+    bool inputs (token ids, masks) in their own dtype)."""
     if isinstance(data, Labelled):
         return data
     if hasattr(data, "x") and hasattr(data, "y"):
@@ -53,14 +55,17 @@ def as_labelled(data: LabelledData, what: str = "data") -> Labelled:
         raise TypeError(f"{what} must be (x, y) tensors, an object with .x and .y, or a "
                         f"DataLoader of (x, y) batches; got {type(data).__name__}")
     x, y = torch.as_tensor(x), torch.as_tensor(y)
-    if not x.is_floating_point():
-        raise TypeError(f"{what}: inputs must be floating point, got {x.dtype}")
+    if x.is_complex():
+        raise TypeError(f"{what}: inputs must be real (floating point, integer or bool), got "
+                        f"{x.dtype}")
     if y.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or y.dim() != 1:
         raise TypeError(f"{what}: labels must be a 1-d integer tensor, got {y.dtype} "
                         f"{tuple(y.shape)}")
     if len(x) != len(y):
         raise ValueError(f"{what}: {len(x)} inputs but {len(y)} labels")
-    return Labelled(x.float().contiguous(), y.long())
+    # float inputs in float32 (the networks' precision); integer inputs (token ids, indices)
+    # and bool masks keep their dtype: the model's first layer (an Embedding, a mask) reads them
+    return Labelled((x.float() if x.is_floating_point() else x).contiguous(), y.long())
 
 
 def resolve_device(name: str = "auto") -> torch.device:

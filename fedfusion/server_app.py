@@ -32,6 +32,7 @@ from fedfusion.app.config import (
     ConfigError,
     Settings,
     build_strategy,
+    check_output_name,
     default_model,
     resolved_holdout,
 )
@@ -69,15 +70,29 @@ OUTPUTS = ("results.json", "predictor.pt", "uploads")
 
 
 def output_folder(settings: Settings) -> Path:
-    """``<output-dir>/<run-name>``, created, or an existing real folder; refused (OSError)
-    when it, or any of :data:`OUTPUTS` in it, is a symlink."""
+    """``<output-dir>/<run-name>``, created, or an existing real folder; refused (OSError
+    naming run-name) when it, or any of :data:`OUTPUTS` in it, is a symlink, and (ConfigError
+    naming the key) before anything is created when ``run-name`` is not one folder name
+    (absolute, ``..``, a NUL, a separator: also for Settings built without ``validate()``).
+    The folder, symlinks resolved, lies directly inside the resolved ``output-dir``."""
+    if "\0" in settings.output_dir:  # also for Settings built without validate()
+        raise ConfigError("run-config 'output-dir' holds a NUL byte; no path can")
     root = Path(settings.output_dir).expanduser() if settings.output_dir else (
         Path.home() / "fedfusion-outputs")
     name = settings.run_name or (
         f"{time.strftime('%Y%m%d-%H%M%S')}-{settings.strategy}-{settings.dataset}"
         f"-{settings.partitioner}{settings.alpha:g}-s{settings.seed}"
         + ("-replay" if settings.replay else ""))
-    folder = make_folder(root.resolve() / name)  # a symlink in its place is refused
+    check_output_name("run-name", name)  # one name: nothing on the way but output-dir
+    root = root.resolve()
+    try:
+        folder = make_folder(root / name)  # a symlink in its place is refused
+    except OSError as exc:
+        raise OSError(exc.errno, f"run-config 'run-name' {name!r} in output-dir "
+                      f"{str(root)!r}: {exc.strerror or exc}") from exc
+    if folder.resolve().parent != root:  # what the checks above guarantee, asserted
+        raise ConfigError(f"run-config 'run-name' {name!r} resolves to {folder.resolve()}, "
+                          f"outside output-dir {str(root)!r}")
     for output in OUTPUTS:  # refused now rather than after the run: nothing follows a link
         if (folder / output).is_symlink():
             raise OSError(errno.ELOOP, f"refusing to write {folder / output}: it is a symlink "

@@ -166,3 +166,19 @@ def test_baseline_replayed_through_flwr_run(strategy, fedbens_live, tmp_path):
     assert results["strategy"] == strategy
     assert results["num_members"] == [1, 1, 1]
     assert results["test"]["accuracy"] >= BASELINE_FLOOR
+
+
+def test_fens_aggregator_rounds_through_flwr_run(tmp_path):
+    """FENS live under Ray: the upload round, then aggregator rounds whose clients keep their
+    held-out rows' features in Flower's context.state between rounds."""
+    results = launch(f"{TINY} strategy=fens num-members=2 fens-rounds=4 fens-patience=0 "
+                     f"output-dir='{tmp_path}' run-name=fens", timeout=LAUNCH_TIMEOUT_S)
+    assert results["status"] == "ok" and not results["excluded"]
+    report = results["strategy_report"]
+    assert report["aggregator_rounds"] == 4 and results["cost"]["rounds"] == 5
+    assert [t["clients"] for t in report["trace"][1:]] == [2, 2, 2, 2]
+    assert results["settings"]["holdout-fraction"] == 0.1
+    # the clients held out floor(10%) of their rows (400 in all) and trained on them
+    rows = {t["rows"] for t in report["trace"][1:]}
+    assert len(rows) == 1 and 38 <= rows.pop() <= 40
+    assert results["cost"]["forward_passes"] == 4

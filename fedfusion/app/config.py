@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fedfusion.app.paths import output_name_error
 from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.normalization import NORM_STATS
@@ -26,6 +27,14 @@ from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
 
 class ConfigError(ValueError):
     """A run-config key is unknown, mistyped or out of range."""
+
+
+#: run-config keys that name a file or folder: a NUL byte in one is refused (no path holds
+#: one; the OS call would raise ``ValueError: embedded null byte`` mid-run)
+PATH_KEYS = ("output-dir", "run-name", "data-dir", "data-path", "partition-file", "replay",
+             "client-registry")
+#: run-config keys that name one folder directly inside ``output-dir`` (the run's outputs)
+OUTPUT_NAME_KEYS = ("run-name",)
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,11 @@ class Settings:
         if self.partition_file and self.train_subset:
             raise ConfigError("run-config 'train-subset' does not apply with a 'partition-file' "
                               "(the file decides every client's rows): set train-subset=0")
+        for key in PATH_KEYS:
+            if "\0" in getattr(self, key.replace("-", "_")):
+                raise ConfigError(f"run-config {key!r} holds a NUL byte; no path can")
+        for key in OUTPUT_NAME_KEYS:
+            check_output_name(key, getattr(self, key.replace("-", "_")))
         if self.partition_sha256 and (len(self.partition_sha256) != 64 or any(
                 c not in "0123456789abcdef" for c in self.partition_sha256)):
             raise ConfigError("run-config 'partition-sha256' must be 64 lowercase hex digits")
@@ -421,6 +435,15 @@ class Settings:
                 override["model-kwargs"] = json.dumps(entry["model-kwargs"], sort_keys=True)
             overrides.append(override)
         return overrides
+
+
+def check_output_name(key: str, name: str) -> None:
+    """``name`` (of run-config ``key``, e.g. ``run-name``) must name one folder directly inside
+    ``output-dir`` (:func:`fedfusion.app.paths.output_name_error`), else ConfigError naming
+    the key."""
+    message = output_name_error(key, name)
+    if message:
+        raise ConfigError(message)
 
 
 def _check_choice(key: str, value: str, choices: Any) -> None:

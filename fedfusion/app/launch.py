@@ -42,6 +42,8 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+from fedfusion.app.paths import output_name_error
+
 APP_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -321,6 +323,11 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
         run_config += " largest-client-first=true"
     run_name = (run_config_value(run_config, "run-name") or "").strip("'\"") or (
         time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    refused = output_name_error("run-name", run_name)
+    if refused:  # before Flower starts (the server would refuse it only once it started)
+        from fedfusion.app.config import ConfigError  # torch: only on this path
+
+        raise ConfigError(refused)
     paths = absolute_paths(run_config, app_dir / "outputs")
     items = [_toml_item(item) for item in shlex.split(run_config)
              if item.partition("=")[0] not in ("run-name", *paths)]

@@ -14,12 +14,20 @@ repeat and may overlap the clients' (the FedBEns authors draw them with replacem
 the clients' data), everything else is checked: integer rows in range, no row held by two
 clients, no empty client, exactly ``num_clients`` clients. The file's SHA-256 identifies it
 in results and replay manifests.
+
+The reader's work is bounded by the training set, not by the file: an ``.npz``'s zip directory
+is capped before :mod:`zipfile` parses it, and every array's ``.npy`` header (read from its zip
+member without inflating the data) must declare at most ``num_rows`` rows -- and the clients
+together at most ``num_rows`` -- before any array is inflated or converted; a ``.json`` list is
+measured the same way before it becomes an array. Every defect, a failed allocation included,
+is a :class:`PartitionError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import zipfile
 from collections.abc import Sequence
@@ -29,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
-from fedfusion.wire.npy import npy_layout, read_npy
+from fedfusion.wire.npy import NpyLayout, npy_layout, read_npy
 from fedfusion.wire.validation import _json_depth
 
 #: a partition file larger than this is refused unread (60,000 rows as JSON are ~0.4 MB)
@@ -37,6 +45,10 @@ MAX_PARTITION_FILE_BYTES = 1 << 30
 #: the arrays an ``.npz`` partition reads may declare at most this many uncompressed bytes
 #: (zip and ``.npy`` headers are checked against it before anything is inflated)
 MAX_PARTITION_ARRAY_BYTES = 1 << 30
+#: an ``.npz``'s zip central directory larger than this is refused before :mod:`zipfile` turns
+#: it into one object per entry (about 10,000 arrays as np.savez names them; the FedBEns
+#: authors' 141-array file has 12 KB; 16 MiB of empty names would take ~8 s and ~200 MB)
+MAX_PARTITION_DIRECTORY_BYTES = 1 << 20
 #: a ``.json`` partition larger than this is refused unread (about 2 million rows; larger
 #: partitions belong in an ``.npz``): parsing holds ~5x the text as Python objects
 MAX_PARTITION_JSON_BYTES = 16 << 20
@@ -92,7 +104,7 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
     suffix = path.suffix.lower()
     try:
         if suffix == ".npz":
-            named = _read_npz(path, key, where)
+            named = _read_npz(path, key, where, num_rows, num_clients)
         elif suffix == ".json":
             named = _read_json(path, key, where)
         else:
@@ -100,13 +112,31 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
     except PartitionError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, RecursionError,
-            MemoryError) as exc:  # the last two only if a check above missed a case
+            MemoryError, OverflowError) as exc:  # the last three only if a check missed a case
         raise PartitionError(f"{where} is not a readable {suffix} file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-    clients_raw, val_raw = named
+    try:
+        return _validated(path, where, *named, num_rows, num_clients)
+    except PartitionError:
+        raise
+    except (ValueError, MemoryError, OverflowError) as exc:  # only if a bound above missed one
+        raise PartitionError(f"{where} could not be checked: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}") from exc
+
+
+def _validated(path: Path, where: str, clients_raw: list[object], val_raw: object | None,
+               num_rows: int, num_clients: int) -> PartitionFile:
     if len(clients_raw) != num_clients:
         raise PartitionError(f"{where} holds {len(clients_raw)} client(s) but num-clients is "
                              f"{num_clients}")
+    counts = [_count(rows) for rows in clients_raw]  # measured before anything is converted
+    for client, count in enumerate(counts):
+        if count > num_rows:
+            raise PartitionError(f"{where}: client {client} lists {count} rows, more than the "
+                                 f"training set's {num_rows}")
+    if sum(counts) > num_rows:
+        raise PartitionError(f"{where}: its clients list {sum(counts)} rows in all, more than "
+                             f"the training set's {num_rows} (a row belongs to one client)")
     clients = [_rows(rows, num_rows, f"{where}: client {c}") for c, rows in
                enumerate(clients_raw)]
     for client, rows in enumerate(clients):
@@ -150,14 +180,24 @@ def write_partition_file(path: str | Path, clients: Sequence[Sequence[int] | np.
     return file_sha256(path)
 
 
-def _read_npz(path: Path, key: str, where: str) -> tuple[list[object], object | None]:
-    """The client (and val) arrays of an ``.npz``: every needed member's zip entry and
-    ``.npy`` header is checked (compression, declared sizes, dtype, shape against data
-    bytes) before any array is read, and their declared total is capped."""
+def _read_npz(path: Path, key: str, where: str, num_rows: int, num_clients: int
+              ) -> tuple[list[object], object | None]:
+    """The client (and val) arrays of an ``.npz``: the zip directory's size is capped before
+    it is parsed; every needed member's zip entry and ``.npy`` header is checked (compression,
+    declared sizes, dtype, shape against data bytes, rows against ``num_rows``) before any
+    array is read, and their declared total is capped."""
     prefix = f"{key}/" if key else ""
     with open(path, "rb") as handle:
         if not zipfile.is_zipfile(handle):  # e.g. a bare .npy under an .npz name
             raise PartitionError(f"{where} is not an .npz archive (np.savez writes one)")
+        # the end record ZipFile itself reads (private, but it decides how many directory
+        # bytes ZipFile parses: a parser of our own could disagree with it)
+        end = zipfile._EndRecData(handle)
+        directory = end[zipfile._ECD_SIZE] if end else 0
+        if directory > MAX_PARTITION_DIRECTORY_BYTES:
+            raise PartitionError(f"{where}: its zip directory declares {directory} bytes, over "
+                                 f"the {MAX_PARTITION_DIRECTORY_BYTES} byte limit of a "
+                                 "partition file; not parsed")
     with zipfile.ZipFile(path) as archive:
         infos = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
         found = {}
@@ -174,6 +214,9 @@ def _read_npz(path: Path, key: str, where: str) -> tuple[list[object], object | 
         if sorted(found) != list(range(len(found))):
             raise PartitionError(f"{where}: client arrays must be numbered 0..{len(found) - 1}, "
                                  f"found {sorted(found)[:20]}")
+        if len(found) != num_clients:
+            raise PartitionError(f"{where} holds {len(found)} client(s) but num-clients is "
+                                 f"{num_clients}")
         names = [found[c] for c in range(len(found))]
         if f"{prefix}val" in infos:
             names.append(f"{prefix}val")
@@ -182,13 +225,22 @@ def _read_npz(path: Path, key: str, where: str) -> tuple[list[object], object | 
             raise PartitionError(f"{where}: its arrays declare {declared} uncompressed bytes in "
                                  f"the zip headers, over the {MAX_PARTITION_ARRAY_BYTES} byte "
                                  "limit; not inflated")
+        layouts = []
         for name in names:  # every header first: nothing is inflated beyond them
             info = infos[name]
             if info.compress_type not in _ZIP_COMPRESSIONS:
                 raise PartitionError(f"{where}: array {name!r} uses zip compression "
                                      f"{info.compress_type}; np.savez writes stored or deflated")
-            with archive.open(info) as stream:
-                npy_layout(stream, info.file_size, name, dtypes=_ROW_DTYPES)
+            with archive.open(info) as stream:  # inflates the header's bytes only
+                layouts.append(npy_layout(stream, info.file_size, name, dtypes=_ROW_DTYPES))
+        labels = [f"client {c}" for c in range(len(found))] + ["val"] * (len(names) > len(found))
+        for label, layout in zip(labels, layouts, strict=True):
+            _check_layout(layout, num_rows, f"{where}: {label}")
+        total = sum(math.prod(layout.shape) for layout in layouts[:len(found)])
+        if total > num_rows:
+            raise PartitionError(f"{where}: its clients' .npy headers declare {total} rows in "
+                                 f"all, more than the training set's {num_rows} (a row belongs "
+                                 "to one client); not inflated")
         arrays = []
         for name in names:
             with archive.open(infos[name]) as stream:
@@ -224,8 +276,30 @@ def _read_json(path: Path, key: str, where: str) -> tuple[list[object], object |
     return content["clients"], content.get("val")
 
 
+def _check_layout(layout: NpyLayout, num_rows: int, where: str) -> None:
+    """What an array's ``.npy`` header declares, checked before its data is inflated: 1-D,
+    integer (an empty array may have any dtype) and at most ``num_rows`` rows."""
+    size = math.prod(layout.shape)
+    if len(layout.shape) != 1 or not (np.issubdtype(layout.dtype, np.integer) or size == 0):
+        raise PartitionError(f"{where} must be a 1-D integer array, got {layout.dtype} "
+                             f"{layout.shape}")
+    if size > num_rows:
+        raise PartitionError(f"{where}: its .npy header declares {size} rows, more than the "
+                             f"training set's {num_rows}; not inflated")
+
+
+def _count(values: object) -> int:
+    """How many rows ``values`` (a list or an array, else 0) would convert to."""
+    if isinstance(values, np.ndarray):
+        return values.size
+    return len(values) if isinstance(values, list) else 0
+
+
 def _rows(values: object, num_rows: int, where: str) -> np.ndarray:
     """``values`` as a 1-D int64 array of rows in ``[0, num_rows)``, or PartitionError."""
+    if _count(values) > num_rows:
+        raise PartitionError(f"{where} lists {_count(values)} rows, more than the training "
+                             f"set's {num_rows}")
     if isinstance(values, np.ndarray):
         array = values
     else:
@@ -241,9 +315,9 @@ def _rows(values: object, num_rows: int, where: str) -> np.ndarray:
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise PartitionError(f"{where} must be a 1-D integer array, got {array.dtype} "
                              f"{array.shape}")
-    array = array.astype(np.int64, copy=False)
+    # checked in the array's own dtype: a uint64 row above 2**63 would wrap in int64
     if array.size and (array.min() < 0 or array.max() >= num_rows):
         bad = int(array[(array < 0) | (array >= num_rows)][0])
         raise PartitionError(f"{where}: row {bad} is outside the training set's "
                              f"0..{num_rows - 1}")
-    return array
+    return array.astype(np.int64, copy=False)

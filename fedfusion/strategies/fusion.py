@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.distillation import DistillOptions, distil
+from fedfusion.distillation import NO_SYNTHETIC_REASON, DistillOptions, distil
 from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_device
+from fedfusion.inputs import integer_inputs
 from fedfusion.normalization import NORM_STATS, recalibrate
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
@@ -119,6 +120,8 @@ FUSION_PARAMETERS = """
         architecture on ``val``'s inputs (augmented; labels only pick the best iterate),
         "synthetic" on DENSE's generator's images; the student starts from the FedAvg of
         the clients' first members where they share the architecture, else a seeded init.
+        Integer inputs (token ids): "val" without augmentation; "synthetic" is refused
+        (it generates float images).
     distill_epochs : int, default 30
         Distillation epochs (passes over ``val``'s inputs); 0 returns the student's start.
     distill_lr : float, default 0.001
@@ -127,7 +130,7 @@ FUSION_PARAMETERS = """
         T of the loss T^2 KL(softmax(log p_teacher / T) || softmax(student / T)).
     distill_augment : bool, default True
         "val": random shifts of images and mixup of half of each batch (off: the plain
-        validation inputs).
+        validation inputs; always off for integer or bool inputs).
 """
 
 
@@ -244,6 +247,11 @@ class Fusion(ABC):
         _check("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
                "'none' or 'synthetic' without a validation set ('val' distils on its inputs: "
                "pass val=...)")
+        if distill == "synthetic":
+            reason = integer_inputs(spec, val_data)
+            if reason is not None:  # refused here, before any client trains
+                raise ValueError(f"model {spec.name!r}: {reason}; "
+                                 + NO_SYNTHETIC_REASON.format(dtype="integer"))
         #: the fused predictor before distillation (None without ``distill``)
         self.distill_teacher: nn.Module | None = None
         #: the last distillation's report (teacher's and student's validation metrics, trace)

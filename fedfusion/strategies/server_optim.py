@@ -243,8 +243,9 @@ class ServerOptimiser:
         val = context.val
         if val is None:
             return [(float(objective[i]), 0.0) for i in rows]
-        # inputs and floating buffers in the weights' precision (``dtype``)
-        x = val.x.to(context.device, self.dtype)
+        # float inputs and floating buffers in the weights' precision (``dtype``); integer
+        # inputs (token ids) and bool masks as they are
+        x = val.x.to(context.device, self.dtype if val.x.is_floating_point() else val.x.dtype)
         scores = []
         for i, r in zip(rows, runs, strict=True):
             state = {k: v[i] for k, v in w.items()}
