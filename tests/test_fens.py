@@ -157,7 +157,8 @@ def brute_force_fens(strategy: FENS, data: dict, rounds: int) -> dict[str, torch
 def test_federated_rounds_match_brute_force_on_a_tiny_net():
     data = tiny_federation()
     strategy = FENS(TinyNet, num_clients=3, num_members=2, hidden=4, rounds=4, patience=0,
-                    server_lr=0.05, local_epochs=2, local_lr=0.2, local_batch_size=8)
+                    server_optimizer="fedadam", server_lr=0.05, local_epochs=2, local_lr=0.2,
+                    local_batch_size=8)
     result = strategy.start(LocalGrid(fens_client_app(data), 3))
     predictor = result.predictor
     assert isinstance(predictor, AggregatedEnsemble) and len(predictor.members) == 6
@@ -175,7 +176,8 @@ def test_federated_rounds_match_brute_force_on_a_tiny_net():
     torch.manual_seed(123)
     before = torch.rand(3)
     again = FENS(TinyNet, num_clients=3, num_members=2, hidden=4, rounds=4, patience=0,
-                 server_lr=0.05, local_epochs=2, local_lr=0.2, local_batch_size=8)
+                 server_optimizer="fedadam", server_lr=0.05, local_epochs=2, local_lr=0.2,
+                 local_batch_size=8)
     torch.manual_seed(123)
     again.start(LocalGrid(fens_client_app(data), 3))
     assert torch.equal(torch.rand(3), before)
