@@ -32,7 +32,7 @@ from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.evaluation import LabelledData, as_labelled
 from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
-from fedfusion.state import load_state_arrays
+from fedfusion.state import load_models
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.strategies.fens.client import is_aggregator_round
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
@@ -66,17 +66,7 @@ def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
 def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module]) -> list[nn.Module]:
     """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights (the
     throw-away init draws from a fork of torch's global RNG: the caller's does not advance)."""
-    models = []
-    for m, state in enumerate(broadcast_states(msg)):
-        with torch.random.fork_rng(devices=[]):
-            model = model_fn()
-        try:
-            load_state_arrays(model, state)
-        except RuntimeError as exc:
-            raise ValueError(f"the server's member {m} does not fit model_fn()'s network "
-                             f"{type(model).__name__}: {exc}") from exc
-        models.append(model)
-    return models
+    return load_models(broadcast_states(msg), model_fn, "the server's member")
 
 
 def requested_sections(msg: Message | RecordDict) -> tuple[list[str], list[str]]:

@@ -281,7 +281,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
             histogram=[c["class_histogram"] for c in results["clients"]])
     results["excluded"] = strategy.exclusions
     results["strategy_report"] = strategy.report()
-    results["cost"] = inference_and_traffic(strategy, results["strategy_report"])
+    results["cost"] = inference_and_traffic(strategy, results["strategy_report"],
+                                            settings.num_rounds)
     teacher = strategy.distill_teacher
     if teacher is not None:  # distill: the one network and the predictor it came from
         start = time.perf_counter()
@@ -334,12 +335,13 @@ def distill_results(report: dict[str, Any], teacher_test: dict[str, float],
             "trace": report.get("trace", [])}
 
 
-def inference_and_traffic(strategy: FusionStrategy, report: dict[str, Any]
-                          ) -> dict[str, Any]:
+def inference_and_traffic(strategy: FusionStrategy, report: dict[str, Any],
+                          num_rounds: int = 1) -> dict[str, Any]:
     """What the predictor costs per prediction and what the run cost per client: forward
     passes (networks run per input), the rounds, and the bytes a client receives (the M
-    initial models, plus FENS' aggregator rounds) and sends (the sections and members this
-    strategy uses; a replay's uploads may carry more for other strategies)."""
+    models of every round, plus FENS' aggregator rounds) and sends (every round, the
+    sections and members this strategy uses; a replay's uploads may carry more for other
+    strategies)."""
     predictor = strategy.predictor
     model_bytes = _model_bytes(strategy)
     used = [u.members[:1] if strategy.member_fusion == "first" else u.members
@@ -348,10 +350,10 @@ def inference_and_traffic(strategy: FusionStrategy, report: dict[str, Any]
               for a in m.get(section, {}).values()) for members in used]
     return {
         "forward_passes": len(predictor.members) if isinstance(predictor, Ensemble) else 1,
-        "rounds": int(report.get("rounds", 1)),
-        "download_bytes_per_client": strategy.num_members * model_bytes
+        "rounds": int(report.get("rounds", num_rounds)),
+        "download_bytes_per_client": num_rounds * strategy.num_members * model_bytes
         + report.get("aggregator_download_bytes_per_client", 0.0),
-        "upload_bytes_per_client": (float(np.mean(up)) if up else 0.0)
+        "upload_bytes_per_client": num_rounds * (float(np.mean(up)) if up else 0.0)
         + report.get("aggregator_upload_bytes_per_client", 0.0),
     }
 

@@ -21,7 +21,7 @@ LayerNorm, GroupNorm, Embedding or a user's own layer, gets a diagonal block).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,3 +191,21 @@ def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: AverageWe
                                                                 strict=True))
             / total).astype(arrays[0][name].dtype)
     return averaged
+
+
+def load_models(states: Sequence[Mapping[str, np.ndarray]], model_fn: Callable[[], nn.Module],
+                what: str) -> list[nn.Module]:
+    """One fresh ``model_fn()`` per state, loaded with it (the throw-away init draws from a
+    fork of torch's global RNG: the caller's does not advance); a state that does not fit
+    raises ValueError naming ``what`` and its index."""
+    models = []
+    for m, state in enumerate(states):
+        with torch.random.fork_rng(devices=[]):
+            model = model_fn()
+        try:
+            load_state_arrays(model, state)
+        except RuntimeError as exc:
+            raise ValueError(f"{what} {m} does not fit model_fn()'s network "
+                             f"{type(model).__name__}: {exc}") from exc
+        models.append(model)
+    return models

@@ -169,3 +169,12 @@ class TinyNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.fc(x), dim=1)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: distillation is many small ops, which threads only slow down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

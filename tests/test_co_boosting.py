@@ -161,13 +161,6 @@ def test_distillation_is_deterministic_given_the_seed_and_leaves_the_global_rng(
         CoBoosting(TINY, perturbation="pgd")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_fmnist_federation_beats_the_fedavg_of_the_same_uploads(fmnist_split, one_thread):
     """The shared 3-client real FMNIST split (conftest.fmnist_split, replayed) into 40

@@ -290,14 +290,6 @@ def test_distillation_is_deterministic_given_the_seed():
         torch.testing.assert_close(states[0][name], states[1][name], rtol=0, atol=0)
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: the distillation is many small ops, which threads only slow down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_one_client_is_distilled_into_a_random_student_that_agrees_on_real_images(one_thread):
     """C = 1: the teacher is the client's MLP, trained on real Fashion-MNIST; a random student

@@ -29,13 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class LogSoftmaxLinear(nn.Module):
     """A teacher: log-probabilities of a fixed linear map."""

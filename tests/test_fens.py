@@ -263,3 +263,23 @@ def test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client(tmp_path):
         fens, ensemble, fedavg, client0)
     # the replay of FENS itself trains the same aggregator with the same clients
     assert replay("fens") == pytest.approx(fens, abs=1e-9)
+
+
+def test_the_trained_aggregator_is_temperature_scaled_on_validation():
+    data = tiny_federation()
+    val = (torch.cat([data[f"hold{c}"][0] for c in range(3)]),
+           torch.cat([data[f"hold{c}"][1] for c in range(3)]))
+    strategy = FENS(TinyNet, num_clients=3, num_members=1, hidden=3, rounds=5, patience=0,
+                    val=val, local_lr=0.5)
+    strategy.start(LocalGrid(fens_client_app(data), 3))
+    t = strategy.temperature
+    g, z = strategy.predictor.aggregator, strategy._val_features  # noqa: SLF001
+    with torch.no_grad():
+        calibrated = g(z).double()
+    original = calibrated * t  # the aggregator before it was divided by T
+    nll = [torch.nn.functional.cross_entropy(original / s, val[1]).item()
+           for s in torch.logspace(-1.5, 1.5, 61, dtype=torch.float64)]
+    assert t != 1.0 and math.isclose(
+        torch.nn.functional.cross_entropy(calibrated, val[1]).item(), min(nll), rel_tol=1e-9)
+    assert torch.equal(calibrated.argmax(1), original.argmax(1))
+    assert strategy.report()["temperature"] == t

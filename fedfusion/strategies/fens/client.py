@@ -18,7 +18,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
 from fedfusion.predictors import LogitAggregator
-from fedfusion.state import load_state_arrays
+from fedfusion.state import load_models
 from fedfusion.strategies.fens.training import (
     AGGREGATOR_RECORD,
     HIDDEN_KEY,
@@ -51,16 +51,8 @@ def aggregator_round(content: RecordDict, state: RecordDict,
     config = content["config"]
     num_models, num_classes = int(config[NUM_MODELS_KEY]), int(config[NUM_CLASSES_KEY])
     if MODELS_RECORD in content:
-        models = []
-        for m, weights in enumerate(decode_models(content[MODELS_RECORD])):
-            with torch.random.fork_rng(devices=[]):
-                model = model_fn()
-            try:
-                load_state_arrays(model, weights)
-            except RuntimeError as exc:
-                raise ValueError(f"FENS: uploaded model {m} does not fit model_fn()'s "
-                                 f"network: {exc}") from exc
-            models.append(model)
+        models = load_models(decode_models(content[MODELS_RECORD]), model_fn,
+                             "FENS: uploaded model")
         if len(models) != num_models:
             raise ValueError(f"FENS: the server sent {len(models)} models for an aggregator "
                              f"over {num_models}")

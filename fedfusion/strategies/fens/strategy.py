@@ -135,6 +135,8 @@ class FENS(FusionStrategy):
         #: per aggregator round: clients, held-out rows, validation accuracy and NLL
         self.trace: list[dict[str, Any]] = []
         self.best_round = 0
+        #: the temperature the trained aggregator was divided by (:meth:`calibrate`)
+        self.temperature = 1.0
         self.aggregator_seconds = 0.0
         #: bytes each node received and sent in the aggregator rounds
         self.bytes_down: dict[int, int] = {}
@@ -240,12 +242,33 @@ class FENS(FusionStrategy):
                 break
         if best:  # with validation: the best round's aggregator, else the last one
             self.aggregator.load_state_dict(best_state)
+            self.calibrate()
         self.aggregator_seconds += time.perf_counter() - start
         if self.distill_options.mode != "none":
             self.distill_teacher, self.predictor = self.predictor, self._distil(self.predictor,
                                                                         self.uploads)
         self._check_chance(self.predictor, 1 + used)
         return used
+
+    def calibrate(self) -> float:
+        """Temperature scaling of the trained aggregator on the validation set: g <- g / T
+        with T minimising the validation NLL (a grid over log T, then folded into g's
+        output-side parameters, which are linear in it); the arg-max, so the accuracy, is
+        unchanged. Returns T (1 without a validation set)."""
+        if self._val_features is None or self.aggregator is None:
+            return 1.0
+        labels = self.context.val.y.long()  # type: ignore[union-attr]
+        with torch.no_grad():
+            logits = self.aggregator(self._val_features)
+            grid = torch.logspace(-1.5, 1.5, 61, dtype=torch.float64)
+            nll = torch.stack([torch.nn.functional.cross_entropy(logits.double() / t, labels)
+                               for t in grid])
+            temperature = float(grid[int(nll.argmin())])
+            for name in ("weights", "bias", *(("out.weight", "out.bias")
+                                              if self.hidden else ())):
+                self.aggregator.get_parameter(name).div_(temperature)
+        self.temperature = temperature
+        return temperature
 
     def _round_config(self, server_round: int) -> ConfigRecord:
         spec = self.context.model_spec
@@ -332,7 +355,8 @@ class FENS(FusionStrategy):
             "local_training": self.local_training.to_config(),
             "aggregator_rounds": len(self.trace) - 1 if self.trace else 0,
             "rounds": 1 + (len(self.trace) - 1 if self.trace else 0),
-            "best_round": self.best_round, "aggregator_seconds": self.aggregator_seconds,
+            "best_round": self.best_round, "temperature": self.temperature,
+            "aggregator_seconds": self.aggregator_seconds,
             "forward_passes": self.aggregator.num_models if self.aggregator else 0,
             # the aggregator rounds' traffic, per client (round 1's is the upload's)
             "aggregator_download_bytes_per_client": float(np.mean(
