@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set everything up, then run the linter and the test suite (about 17 minutes on 2 cores).
+# Set everything up, then run the linter and the test suite (20-30 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
