@@ -441,3 +441,88 @@ class LNMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+#: the widest ``vit`` / ``token_transformer`` embedding, their encoder layers and heads
+MAX_TRANSFORMER_DIM = 4096
+MAX_TRANSFORMER_LAYERS = 64
+MAX_TOKENS = 65536
+MAX_VOCAB = 2**24
+
+
+class _Encoder(nn.Module):
+    """A learned position ``nn.Parameter``, ``layers`` pre-norm ``nn.TransformerEncoderLayer``
+    (no dropout, GELU, feed-forward ``2 * dim``), LayerNorm, mean over tokens, Linear head."""
+
+    def __init__(self, model: str, tokens: int, num_classes: int, dim: object, heads: object,
+                 layers: object):
+        super().__init__()
+        dim = check_int(model, "dim", dim, 1, MAX_TRANSFORMER_DIM)
+        heads = check_int(model, "heads", heads, 1, dim)
+        if dim % heads:
+            raise ValueError(f"{model}: dim ({dim}) must be a multiple of heads ({heads})")
+        layers = check_int(model, "layers", layers, 1, MAX_TRANSFORMER_LAYERS)
+        self.position = nn.Parameter(torch.zeros(1, tokens, dim))
+        nn.init.normal_(self.position, std=0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.encoder(tokens + self.position)).mean(dim=1))
+
+
+@register_model("vit")
+class ViT(nn.Module):
+    """Small vision transformer: a Conv2d patch embedding (``patch`` x ``patch``, stride
+    ``patch``, C -> ``dim``), a learned position embedding, ``layers`` pre-norm encoder layers
+    (``nn.TransformerEncoderLayer``: ``nn.MultiheadAttention`` with ``heads`` heads, GELU
+    feed-forward of ``2 * dim``, no dropout), LayerNorm, the mean over patches, Linear(->K).
+    Defaults ``patch`` 7, ``dim`` 64, ``heads`` 4, ``layers`` 2: 16 patches and 71,946
+    parameters on 1x28x28 (K = 10). Height and width must be multiples of ``patch``."""
+
+    def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10,
+                 patch: int = 7, dim: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        channels, height, width = _image_input("vit", input_shape)
+        _check_classes("vit", num_classes)
+        patch = check_int("vit", "patch", patch, 1, min(height, width))
+        if height % patch or width % patch:
+            raise ValueError(f"vit: input height and width ({height}x{width}) must be "
+                             f"multiples of patch ({patch})")
+        tokens = check_int("vit", "patches", (height // patch) * (width // patch), 1, MAX_TOKENS)
+        dim = check_int("vit", "dim", dim, 1, MAX_TRANSFORMER_DIM)
+        self.embed = nn.Conv2d(channels, dim, patch, stride=patch)
+        self.encoder = _Encoder("vit", tokens, num_classes, dim, heads, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embed(x).flatten(2).transpose(1, 2))
+
+
+@register_model("token_transformer")
+class TokenTransformer(nn.Module):
+    """A transformer over integer tokens, the shape of a text model: ``nn.Embedding(vocab,
+    dim)`` of each of the ``length`` tokens (``input_shape = (length,)``, int64 ids in
+    ``0..vocab-1``), a learned position embedding, ``layers`` pre-norm encoder layers as in
+    :class:`ViT`, LayerNorm, the mean over tokens, Linear(->K). Defaults ``vocab`` 17 (the
+    digits data set's 0..16 intensities), ``dim`` 32, ``heads`` 4, ``layers`` 1: 11,530
+    parameters for 64 tokens (K = 10)."""
+
+    def __init__(self, input_shape: tuple[int, ...] = (64,), num_classes: int = 10,
+                 vocab: int = 17, dim: int = 32, heads: int = 4, layers: int = 1):
+        super().__init__()
+        if not isinstance(input_shape, Sequence) or len(input_shape) != 1:
+            raise ValueError(f"token_transformer: input_shape must be (length,), got "
+                             f"{input_shape!r:.60}")
+        length = check_int("token_transformer", "length", input_shape[0], 1, MAX_TOKENS)
+        _check_classes("token_transformer", num_classes)
+        vocab = check_int("token_transformer", "vocab", vocab, 1, MAX_VOCAB)
+        dim = check_int("token_transformer", "dim", dim, 1, MAX_TRANSFORMER_DIM)
+        self.embed = nn.Embedding(vocab, dim)
+        self.encoder = _Encoder("token_transformer", length, num_classes, dim, heads, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embed(x))

@@ -1,4 +1,5 @@
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,40 @@ def test_new_models_learn_fashion_mnist_as_the_app_trains_them(fmnist_split, nam
     with torch.no_grad():
         accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
     assert accuracy >= floor, f"{name} {kwargs}: held-out accuracy {accuracy:.3f} < {floor}"
+
+
+# --- vit, token_transformer -----------------------------------------------------------------
+
+
+def _encoder_count(tokens: int, dim: int, layers: int, k: int) -> int:
+    """Position embedding + per layer (in_proj, out_proj, 2 LayerNorms, 2-layer feed-forward
+    of 2 * dim) + final LayerNorm + head, counted by hand."""
+    per_layer = (3 * dim * dim + 3 * dim) + (dim * dim + dim) + 4 * dim \
+        + (dim * 2 * dim + 2 * dim) + (2 * dim * dim + dim)
+    return tokens * dim + layers * per_layer + 2 * dim + dim * k + k
+
+
+@pytest.mark.parametrize(("name", "shape", "kwargs", "expected"), [
+    ("vit", (1, 28, 28), {}, 1 * 49 * 64 + 64 + _encoder_count(16, 64, 2, 10)),
+    ("vit", (3, 32, 32), {"patch": 8, "dim": 16, "heads": 2, "layers": 1},
+     3 * 64 * 16 + 16 + _encoder_count(16, 16, 1, 10)),
+    ("token_transformer", (64,), {}, 17 * 32 + _encoder_count(64, 32, 1, 10)),
+])
+def test_transformer_parameter_counts(name, shape, kwargs, expected):
+    model = build_model(name, shape, 10, **kwargs)
+    assert sum(p.numel() for p in model.parameters()) == expected
+    x = torch.randint(0, 17, (2, *shape)) if name == "token_transformer" else torch.randn(2, *shape)
+    assert model(x).shape == (2, 10)
+
+
+@pytest.mark.parametrize(("name", "shape", "kwargs", "message"), [
+    ("vit", (1, 28, 28), {"patch": 5}, "multiples of patch"),
+    ("vit", (1, 28, 28), {"dim": 10, "heads": 4}, "multiple of heads"),
+    ("vit", (28, 28), {}, "input_shape"),
+    ("vit", (1, 28, 28), {"layers": 0}, "layers"),
+    ("token_transformer", (1, 28, 28), {}, "input_shape must be (length,)"),
+    ("token_transformer", (64,), {"vocab": 0}, "vocab"),
+])
+def test_transformer_arguments_refused(name, shape, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_model(name, shape, 10, **kwargs)
