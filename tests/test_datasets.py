@@ -120,7 +120,7 @@ def test_argument_errors() -> None:
         load_dataset("imagenet")
     with pytest.raises(ValueError, match="val_size"):
         load_dataset("fmnist", val_size=-1)
-    assert DATASETS == ("fmnist", "mnist", "cifar10", "cifar100", "svhn")
+    assert DATASETS == ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits")
 
 
 # --- IDX files from data_dir / FEDFUSION_DATA_DIR ----------------------------------
@@ -322,3 +322,23 @@ def test_fmnist_offline_without_debian_package(
     with pytest.raises(DatasetNotFoundError, match="not set") as caught:
         load_dataset("fmnist")
     assert str(tmp_path / "not-installed") in str(caught.value)
+
+
+def test_digits_are_integer_tokens_with_a_fixed_test_split() -> None:
+    """digits: int64 tokens 0..16, unnormalised; the seed moves the validation rows only."""
+    from sklearn.datasets import load_digits
+
+    first = load_dataset("digits", val_size=200, seed=1)
+    second = load_dataset("digits", val_size=100, seed=2)
+    assert first.input_shape == (64,) and first.mean == () and first.num_classes == 10
+    for split in (first.train, first.val, first.test):
+        assert split.x.dtype == torch.int64 and split.x.shape[1] == 64
+        assert 0 <= int(split.x.min()) and int(split.x.max()) <= 16
+    assert (len(first.train), len(first.val), len(first.test)) == (1200, 200, 397)
+    assert torch.equal(first.test.x, second.test.x) and len(second.val) == 100
+    # every row of scikit-learn's data is in exactly one split, with its label
+    rows = {tuple(r) + (int(t),) for r, t in zip(load_digits().data.astype(int).tolist(),
+                                                   load_digits().target, strict=True)}
+    ours = [tuple(r) + (int(t),) for s in (first.train, first.val, first.test)
+            for r, t in zip(s.x.tolist(), s.y, strict=True)]
+    assert len(ours) == 1797 and set(ours) == rows
