@@ -160,6 +160,9 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
     folder = output_folder(settings)
     results: dict[str, Any] = {"status": "running", "settings": settings.to_mapping(),
                                "output_dir": str(folder)}
+    # a process killed from outside (out of memory, a lost Ray node) runs no `finally`: the
+    # file says "running" then, and the launcher turns it into a failed run
+    write_results(folder, results)
     try:
         _run(settings, grid, uploads, folder, results, failures)
         results["status"] = "ok"
@@ -169,10 +172,15 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
         raise
     finally:
         results.setdefault("timing", {})["wall_s"] = time.perf_counter() - wall_start
-        with open_no_follow(folder / "results.json") as handle:
-            handle.write(json.dumps(strict_json(results), indent=1, allow_nan=False).encode())
+        write_results(folder, results)
         print_summary(results)
     return results
+
+
+def write_results(folder: Path, results: dict[str, Any]) -> None:
+    """``folder/results.json`` (strict JSON; a symlink in its place is refused)."""
+    with open_no_follow(folder / "results.json") as handle:
+        handle.write(json.dumps(strict_json(results), indent=1, allow_nan=False).encode())
 
 
 def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | None,

@@ -19,7 +19,8 @@ fails. This launcher makes a run self-contained:
   is interrupted (Ctrl-C, SIGTERM) or times out: the run is stopped on the SuperLink
   (``flwr stop``), then every process the launch started is terminated
   (:class:`ProcessTracker`, :func:`stop_launch`), so none is left behind;
-* success is read from ``<output-dir>/<run-name>/results.json``; exit 1 if it is not "ok".
+* success is read from ``<output-dir>/<run-name>/results.json``; exit 1 if it is not "ok"
+  (a file still saying "running", its ServerApp killed, is rewritten as failed first).
 """
 
 from __future__ import annotations
@@ -361,8 +362,9 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
         # a SIGTERM (kill, CI timeout) must still run the `finally` that stops the run
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     finished = False
+    exit_code: int | None = None
     try:
-        run_flwr(command, env, timeout, tracker)
+        exit_code = run_flwr(command, env, timeout, tracker)
         finished = True
     finally:
         try:
@@ -376,9 +378,34 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     results_file = Path(paths["output-dir"]) / run_name / "results.json"
     if not results_file.is_file():
         raise RuntimeError(f"the run wrote no {results_file}: see the log above")
-    results = json.loads(results_file.read_text())
+    results = close_unfinished(results_file, exit_code)
     if results.get("status") != "ok":
         raise RuntimeError(f"the run failed: {results.get('error')}")
+    return results
+
+
+def close_unfinished(results_file: Path, exit_code: int | None) -> dict:
+    """The run's results; a results.json still saying "running" (its ServerApp died without
+    finishing: killed for memory, or with a lost Ray node) is rewritten as failed, naming
+    ``flwr run``'s exit code and the uploads saved beside it (a replay reuses them)."""
+    try:
+        results = json.loads(results_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"{results_file} is not readable JSON ({exc})") from exc
+    if not isinstance(results, dict):
+        raise RuntimeError(f"{results_file} holds no results object")
+    if results.get("status") != "running":
+        return results
+    saved = sorted(p.name for p in (results_file.parent / "uploads").glob("*.npz"))
+    results.update(status="failed", error=(
+        f"the ServerApp ended without finishing (flwr run exit code {exit_code}; killed, e.g. "
+        f"for memory or with a lost Ray node?); {len(saved)} upload(s) saved in "
+        f"{results_file.parent / 'uploads'}" + (": replay them with replay=<that folder>"
+                                               if saved else "")), uploads_saved=saved)
+    # O_NOFOLLOW: never write through a symlink put in the file's place
+    fd = os.open(results_file, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps(results, indent=1) + "\n")
     return results
 
 
