@@ -36,8 +36,9 @@ gives, as ``python scripts/deploy_tools.py <command>``:
 ``watch FLWR_HOME OUT``
     sample the peak memory and the CPU time of Flower's processes among them until SIGTERM,
     then write OUT (JSON, :func:`watch`);
-``check RESULTS --clients N``
-    judge a run by its ``results.json`` (``flwr run`` exits 0 even when the run fails).
+``check RESULTS --clients N|ID,ID,...``
+    judge a run by its ``results.json`` (``flwr run`` exits 0 even when the run fails): exit
+    1 unless it is ok and fused exactly the expected clients; missing devices are named.
 """
 
 from __future__ import annotations
@@ -522,24 +523,48 @@ def watch(flwr_home: str, out: Path, interval_s: float = 0.1) -> list[ProcessUsa
 # ------------------------------------------------------------------------- results
 
 
-def check_results(path: Path, num_clients: int) -> list[str]:
+def expected_clients(text: str) -> list[int]:
+    """``--clients``: a count N (the clients 0..N-1) or the ids, comma-separated (a fleet
+    after a device left: ``0,2,3``)."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--clients: a count or comma-separated client ids, got {text!r}") from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids) or ("," not in text and ids[0] < 1):
+        raise argparse.ArgumentTypeError(
+            f"--clients: a count or distinct client ids >= 0, got {text!r}")
+    return list(range(ids[0])) if "," not in text else sorted(ids)
+
+
+def check_results(path: Path, clients: int | Sequence[int]) -> list[str]:
     """What is wrong with the run whose ``results.json`` is ``path`` (empty: nothing):
-    it must be ``"status": "ok"``, have a test accuracy, and list exactly the clients
-    0..num_clients-1, each once."""
+    it must be ``"status": "ok"``, have a test accuracy, and list exactly the expected
+    clients (a count N: 0..N-1), each once. Each exclusion is listed with its node and client
+    id, so the operator sees which device was missing and why."""
+    expected = list(range(clients)) if isinstance(clients, int) else sorted(clients)
     if not path.is_file():
         return [f"the run wrote no {path}: see the logs above"]
     try:
         results = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         return [f"{path} is not JSON: {exc}"]
+    if not isinstance(results, dict):
+        return [f"{path} holds no results object"]
+    excluded = [f"excluded {e.get('client')} in round {e.get('round')}: {e.get('reason')}"
+                for e in results.get("excluded") or [] if isinstance(e, dict)]
     if results.get("status") != "ok":
-        return [f"the run failed: {results.get('error', 'status ' + repr(results.get('status')))}"]
+        error = results.get("error", "status " + repr(results.get("status")))
+        return [f"the run failed: {error}", *excluded]
     problems = []
     if not isinstance(results.get("test", {}).get("accuracy"), int | float):
         problems.append(f"{path} has no test accuracy")
     ids = sorted(c.get("client_id") for c in results.get("clients", []))
-    if ids != list(range(num_clients)):
-        problems.append(f"the run's clients are {ids}, expected {list(range(num_clients))}")
+    if ids != expected:
+        missing = sorted(set(expected) - set(ids))
+        problems.append(f"the run's clients are {ids}, expected {expected}"
+                        + (f" (missing {missing})" if missing else ""))
+        problems += excluded
     return problems
 
 
@@ -599,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.1)
     p = sub.add_parser("check", help="judge a run by its results.json")
     p.add_argument("results", type=Path)
-    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--clients", type=expected_clients, required=True,
+                   help="the clients the run must fuse: a count N (0..N-1) or ids, e.g. 0,2,3")
     args = parser.parse_args(argv)
 
     if args.command == "tls":

@@ -232,8 +232,10 @@ def test_a_hostile_aggregator_reply_is_excluded_and_the_rounds_go_on(attack, rea
     strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=3, patience=0)
     strategy.start(grid)
     excluded = [e for e in strategy.exclusions if e["round"] > 1]
-    assert len(excluded) == 3 and all(reason in e["reason"] and e["client"] == "node 101"
-                                      for e in excluded)
+    # the node is named with the client id it uploaded as in round 1
+    assert len(excluded) == 3 and all(
+        reason in e["reason"] and e["client"] == "node 101 (client 101)"
+        and (e["node_id"], e["client_id"]) == (101, 101) for e in excluded)
     assert [t["clients"] for t in strategy.trace[1:]] == [2, 2, 2]
     assert all(math.isfinite(float(v.abs().max()))
                for v in strategy.aggregator.state_dict().values())

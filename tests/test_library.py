@@ -204,8 +204,8 @@ def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
     strategy = FedAvg(UserNet, num_clients=3, round_timeout=5.0)
     strategy.start(LocalGrid(untrained_client_app(fmnist), 3, delay={1: 6.0}))
     assert [u.client_id for u in strategy.uploads] == [100, 102]
-    assert strategy.exclusions == [{"round": 1, "client": "node 101",
-                                    "reason": "no reply within 5 s"}]
+    assert strategy.exclusions == [{"round": 1, "client": "node 101", "node_id": 101,
+                                    "client_id": None, "reason": "no reply within 5 s"}]
 
     strategy = FedAvg(UserNet, num_clients=3)
     strategy.start(LocalGrid(untrained_client_app(fmnist, client_id=7), 3))  # all claim id 7
@@ -241,8 +241,8 @@ def test_a_hung_client_is_left_behind_at_the_round_timeout(fmnist):
         release.set()
     assert time.perf_counter() - started < 30  # the two honest clients + one 2 s wait
     assert [u.client_id for u in strategy.uploads] == [100, 102]
-    assert strategy.exclusions == [{"round": 1, "client": "node 101",
-                                    "reason": "no reply within 2 s"}]
+    assert strategy.exclusions == [{"round": 1, "client": "node 101", "node_id": 101,
+                                    "client_id": None, "reason": "no reply within 2 s"}]
 
 
 def test_a_long_client_error_keeps_its_root_cause():

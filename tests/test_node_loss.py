@@ -164,6 +164,7 @@ def test_a_client_error_on_a_supernode_names_that_node():
     with link.running() as grid:
         strategy.start(grid)
     assert strategy.exclusions == [{"round": 1, "client": f"node {link.node_ids[1]}",
+                                    "node_id": link.node_ids[1], "client_id": None,
                                     "reason": "client error: ValueError: bad partition"}]
     assert [u.node_id for u in strategy.uploads] == [link.node_ids[0]]
 
@@ -267,7 +268,7 @@ def test_a_grid_without_message_ids_is_read_by_the_sender():
     messages = sent_round(strategy, [11, 22], ids=False)
     error = Message(Error(code=0, reason="MemoryError: out of memory"), reply_to=messages[1])
     strategy.aggregate_train(1, [upload_reply(messages[0], 0), error])
-    assert strategy.exclusions == [{"round": 1, "client": "node 22",
+    assert strategy.exclusions == [{"round": 1, "client": "node 22", "node_id": 22, "client_id": None,
                                     "reason": "client error: MemoryError: out of memory"}]
 
 

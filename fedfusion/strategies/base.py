@@ -217,8 +217,8 @@ class FusionStrategy(Fusion, Strategy):
         # an operator registry names the fleet: a node outside it is neither sampled nor
         # sent the model
         for node in sorted(n for n in available if not self.identities.admits(n)):
-            self.exclude(server_round, f"node {node}", f"node {node} is not in the client "
-                         "registry; not sent the round")
+            self.exclude(server_round, node, f"node {node} is not in the client "
+                         "registry; not sent the round", node=node)
         available = [n for n in available if self.identities.admits(n)]
         sample_size = min(max(int(len(available) * self.fraction_train), self.min_train_nodes),
                           len(available))
@@ -278,20 +278,20 @@ class FusionStrategy(Fusion, Strategy):
                              f"not send; ignored ({_summarise_reason(reason, 200)})")
                 continue
             if node in replied:
-                self.exclude(server_round, f"node {node}", "a second reply to one message; "
-                             "ignored (the first was kept)")
+                self.exclude(server_round, node, "a second reply to one message; "
+                             "ignored (the first was kept)", node=node)
                 continue
             replied.add(node)
             if reply.has_error():
                 reason, detail = self._error_reason(reply, elapsed())
-                self.exclude(server_round, f"node {node}", reason, detail=detail)
+                self.exclude(server_round, node, reason, detail=detail, node=node)
                 continue
             try:
                 upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
                                        self.required_sections)
                 self._check_architecture(upload)
             except UploadError as exc:
-                self.exclude(server_round, exc.client, exc.problem)
+                self.exclude(server_round, exc.client, exc.problem, node=node)
                 continue
             upload.node_id = node
             log.info("[%s] round %d: node %d (claims client %d): %d member(s), %d examples, "
@@ -309,7 +309,8 @@ class FusionStrategy(Fusion, Strategy):
             self.client_round_seconds += round_seconds
         for node in self._sent_to:
             if node not in replied:
-                self.exclude(server_round, f"node {node}", self._silence_reason(round_seconds))
+                self.exclude(server_round, node, self._silence_reason(round_seconds),
+                             node=node)
         valid = self._identify(valid, server_round)
         predictor = self._fuse_valid(self._unique_clients(valid, server_round), server_round)
         metrics = MetricRecord({"num-valid-uploads": len(self.uploads),
@@ -356,6 +357,10 @@ class FusionStrategy(Fusion, Strategy):
                 f"{self.round_timeout:g} s round timeout, without a reply or an error for "
                 "this node")
 
+    def client_of_node(self, node: int) -> int | None:
+        """The client id the operator's registry, or an earlier round, gave ``node``."""
+        return self.identities.nodes.get(node)
+
     def _identify(self, uploads: list[ClientUpload], server_round: int) -> list[ClientUpload]:
         """Give each live upload the client id the server decides from its node
         (:attr:`identities`): the claim becomes the label ``claimed_client_id``; a node the
@@ -367,7 +372,7 @@ class FusionStrategy(Fusion, Strategy):
         for upload in sorted(uploads, key=lambda u: (u.node_id is None, u.node_id or 0)):
             outcome = decided.get(upload.node_id) if upload.node_id is not None else None
             if isinstance(outcome, str):
-                self.exclude(server_round, f"node {upload.node_id}", outcome)
+                self.exclude(server_round, upload.node_id, outcome, node=upload.node_id)
                 continue
             if isinstance(outcome, Assignment):
                 upload.claimed_client_id = upload.client_id

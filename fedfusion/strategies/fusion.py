@@ -405,16 +405,27 @@ class Fusion(ABC):
         return list(owner.values())
 
     def exclude(self, server_round: int, client: str | int, reason: str,
-                detail: str = "") -> None:
+                detail: str = "", node: int | None = None) -> None:
         """Record that ``client`` is left out of ``server_round`` (in :attr:`exclusions` and
         the log), e.g. a cached upload that did not load; ``detail`` (a client's traceback)
-        is kept beside the one-line ``reason`` where given."""
+        is kept beside the one-line ``reason`` where given. ``node``: the Flower node id, for
+        an operator to find the device: the entry gets ``node_id``, and ``client_id`` where
+        the server knows which client that node is (:meth:`client_of_node`)."""
+        known = None if node is None else self.client_of_node(node)
+        if node is not None:
+            client = f"node {node}" + (f" (client {known})" if known is not None else "")
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
                     _summarise_reason(reason))
         entry: dict[str, Any] = {"round": server_round, "client": str(client), "reason": reason}
+        if node is not None:
+            entry.update(node_id=node, client_id=known)
         if detail:
             entry["detail"] = detail
         self.exclusions.append(entry)
+
+    def client_of_node(self, node: int) -> int | None:
+        """The client id of Flower node ``node`` where known (a node registry), else None."""
+        return None
 
     def report(self) -> dict[str, Any]:
         """Strategy-specific diagnostics saved in results.json (e.g. optimisation traces)."""

@@ -299,7 +299,7 @@ class FENS(FusionStrategy):
                 continue  # not an answer to this round's messages
             replied.add(node)
             if reply.has_error():
-                self.exclude(server_round, f"node {node}", "client error: "
+                self.exclude(server_round, node, node=node, reason="client error: "
                              f"{parse_client_error(reply.error.reason)}")
                 continue
             try:
@@ -308,11 +308,11 @@ class FENS(FusionStrategy):
                                 for k in state}
                 rows = reply.content["metrics"]["num-examples"]
             except (KeyError, TypeError, ValueError) as exc:
-                self.exclude(server_round, f"node {node}", f"malformed aggregator reply: {exc}")
+                self.exclude(server_round, node, f"malformed aggregator reply: {exc}", node=node)
                 continue
             problem = _check_state(client_state, state, rows)
             if problem:
-                self.exclude(server_round, f"node {node}", problem)
+                self.exclude(server_round, node, problem, node=node)
                 continue
             self._served.add(node)
             self.bytes_up[node] = self.bytes_up.get(node, 0) + state_bytes
@@ -321,8 +321,9 @@ class FENS(FusionStrategy):
                 weights.append(float(rows))
         for message in sent:
             if message.metadata.dst_node_id not in replied:
-                self.exclude(server_round, f"node {message.metadata.dst_node_id}",
-                             f"no aggregator reply within {self.round_timeout:g} s")
+                node = message.metadata.dst_node_id
+                self.exclude(server_round, node, f"no aggregator reply within "
+                             f"{self.round_timeout:g} s", node=node)
         return client_states, weights
 
     def _score(self) -> dict[str, float]:
