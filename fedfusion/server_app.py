@@ -321,8 +321,10 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         "server_fuse_s": strategy.fuse_seconds,
         "server_eval_s": eval_seconds[0],
     }
+    # a local-data run used no split: its devices' own files (results["partition"])
     results.update(strategy=strategy.name, dataset=settings.dataset, model=spec.name,
-                   partitioner=settings.partitioner, alpha=settings.alpha,
+                   partitioner="local" if local_data else settings.partitioner,
+                   alpha=None if local_data else settings.alpha,
                    num_clients=settings.num_clients, seed=settings.seed,
                    split_seed=settings.data_seed,
                    num_rounds=settings.num_rounds, device=str(device))

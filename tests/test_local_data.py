@@ -224,6 +224,7 @@ def test_devices_join_and_leave_with_their_own_data(device_files, tmp_path):
                 own[device], (name, device)
         # the server holds no partition: what it reports is what the devices reported
         assert result["partition"]["client_data"] == "local"
+        assert (result["partitioner"], result["alpha"]) == ("local", None)  # no split ran
         assert result["partition"]["clients"] == devices
         assert result["partition"]["sizes"] == [own[d][0] for d in devices]
         # above chance (0.1): FedAvg of label-skewed devices, 5 epochs on ~1,000 images each
