@@ -272,3 +272,30 @@ def test_the_cli_checks_files_and_writes_demo_files(tmp_path, capsys):
     bad.write_bytes(b"PK\x03\x04 not really")
     assert main(["check", str(bad)]) == 1
     assert f"error: local data file '{bad}'" in capsys.readouterr().err
+
+
+def test_demo_files_with_a_class_mix_per_device(tmp_path):
+    """--alpha: each device its own Dirichlet class mix; disjoint rows; device i's file the
+    same whatever the device count; a bad alpha refused."""
+    from fedfusion.datasets.__main__ import main
+    from fedfusion.datasets.loading import _load_raw
+
+    assert main(["demo", str(tmp_path / "a"), "--devices", "3", "--samples", "300",
+                 "--alpha", "0.1"]) == 0
+    assert main(["demo", str(tmp_path / "b"), "--devices", "2", "--samples", "300",
+                 "--alpha", "0.1"]) == 0
+    files = [read_local_data(tmp_path / "a" / f"device-{i}.npz", SHAPE, 10) for i in range(3)]
+    for i in range(2):
+        again = read_local_data(tmp_path / "b" / f"device-{i}.npz", SHAPE, 10)
+        assert np.array_equal(files[i].x, again.x) and np.array_equal(files[i].y, again.y)
+    shares = np.stack([np.bincount(f.y, minlength=10) / 300 for f in files])
+    assert all(len(f.y) == 300 for f in files)
+    # alpha 0.1: a device's largest class holds most of its rows, and the mixes differ
+    assert (shares.max(axis=1) > 0.5).all() and len({int(s.argmax()) for s in shares}) > 1
+    # the rows are the training set's, disjoint across devices
+    images, _ = _load_raw("fmnist", None)["train"]
+    seen = {image.tobytes() for image in images}
+    flat = [row.tobytes() for f in files for row in f.x]
+    assert len(set(flat)) == len(flat) and set(flat) <= seen
+    assert main(["demo", str(tmp_path / "c"), "--devices", "2", "--samples", "10",
+                 "--alpha", "-1"]) == 1

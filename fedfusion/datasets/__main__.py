@@ -2,7 +2,7 @@
 
 * ``check FILE [--shape C,H,W] [--classes K]``: validate it as the ClientApp will, print its
   size and class histogram (exit 1 with the problem otherwise);
-* ``demo FOLDER [--devices N] [--samples S]``: demo files ``device-<i>.npz`` cut from a
+* ``demo FOLDER [--devices N] [--samples S] [--alpha A]``: demo files ``device-<i>.npz`` cut from a
   built-in dataset, for trying the mode (:func:`~fedfusion.datasets.local_file.write_demo_files`).
 """
 
@@ -31,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=1000, help="images per device")
     p.add_argument("--dataset", default="fmnist")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--alpha", type=float, default=None,
+                   help="each device's own class mix, Dirichlet(alpha) (default: uniform)")
     p = sub.add_parser("check", help="validate a device's file; print its size and histogram")
     p.add_argument("path")
     p.add_argument("--shape", default="1,28,28", help="C,H,W of the run's dataset")
@@ -39,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             for path in write_demo_files(args.folder, args.devices, args.samples, args.dataset,
-                                         args.data_dir):
-                print(path)
+                                         args.data_dir, alpha=args.alpha):
+                with np.load(path, allow_pickle=False) as npz:  # the file just written
+                    print(f"{path}: classes {np.bincount(npz['y']).tolist()}")
         else:
             shape = tuple(int(v) for v in args.shape.split(","))
             data = read_local_data(args.path, shape, args.classes)

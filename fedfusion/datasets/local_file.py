@@ -20,6 +20,7 @@ the file and the problem.
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,26 +165,47 @@ def normalise(data: LocalData, mean: Sequence[float], std: Sequence[float]) -> I
 
 
 def write_demo_files(folder: str | Path, devices: int, samples: int, dataset: str = "fmnist",
-                     data_dir: str | None = None, seed: int = 0) -> list[Path]:
+                     data_dir: str | None = None, seed: int = 0,
+                     alpha: float | None = None) -> list[Path]:
     """Demo data for trying ``client-data='local'``: ``device-<i>.npz`` for each of
     ``devices`` devices, ``samples`` disjoint training images each (raw pixels, as a device
     would hold them), drawn from ``dataset``'s training set with a seeded shuffle, device
-    ``i``'s file the same whatever ``devices`` is. On real devices each device writes its own
+    ``i``'s file the same whatever ``devices`` is. ``alpha``: each device's own class mix,
+    proportions ~ Dirichlet(alpha) seeded per device (small alpha: few classes per device),
+    rows taken from each class's shuffled pool at the device's own offset; None: uniform
+    draws (every device about the same mix). On real devices each device writes its own
     file instead."""
     from fedfusion.datasets.loading import _load_raw
 
     if devices < 1 or samples < 1:
         raise ValueError(f"need devices >= 1 and samples >= 1, got {devices} and {samples}")
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
     images, labels = _load_raw(dataset, Path(data_dir).expanduser() if data_dir else None)["train"]
     if devices * samples > len(labels):
         raise ValueError(f"{devices} devices x {samples} samples exceed the {len(labels)} "
                          f"training images of {dataset}")
     order = np.random.default_rng([seed, 3]).permutation(len(labels))
+    pools = [order[labels[order] == k] for k in range(int(labels.max()) + 1)]
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for device in range(devices):
-        rows = np.sort(order[device * samples:(device + 1) * samples])
+        if alpha is None:
+            rows = order[device * samples:(device + 1) * samples]
+        else:
+            mix = np.random.default_rng([seed, 5, device]).dirichlet([alpha] * len(pools))
+            counts = np.random.default_rng([seed, 6, device]).multinomial(samples, mix)
+            # device i takes rows [i * samples, i * samples + count) of each class's pool:
+            # disjoint across devices, and the same file whatever `devices` is
+            short = [k for k, n in enumerate(counts) if (device + 1) * samples > len(pools[k])
+                     and n]
+            if short:
+                raise ValueError(f"device {device}: classes {short} have too few images for "
+                                 f"{samples} samples at its offset; use fewer --samples")
+            rows = np.concatenate([pools[k][device * samples:device * samples + n]
+                                   for k, n in enumerate(counts)])
+        rows = np.sort(rows)
         paths.append(write_local_data(folder / f"device-{device}.npz", images[rows],
                                       labels[rows]))
     return paths
