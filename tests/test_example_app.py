@@ -5,6 +5,7 @@ RegMean and AMS against one-shot FedAvg on its own test split."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,31 @@ def test_the_digits_app_with_batchnorm_fuses_in_every_strategy(tmp_path, monkeyp
     median.start(grid)
     median_accuracy = evaluate(median.predictor, x_test, y_test)["accuracy"]
     assert accuracy["fedbens"] >= median_accuracy + 0.1, (accuracy, median_accuracy)
+
+
+def test_docs_own_app_steps_run_the_digits_app_as_written(installed, tmp_path):
+    """docs/library.md's "Your own App under flwr run" block, run as its text stands on a
+    copy of examples/digits, with fedfusion from a pip install (not this checkout) and a
+    private HOME: both strategies fuse above chance, and its last line leaves no SuperLink."""
+    import re
+    import shutil
+
+    doc = (REPO / "docs" / "library.md").read_text()
+    block = re.search(r"<!-- doc-test: own-app -->\n```bash\n(.*?)\n```", doc, re.S).group(1)
+    app = tmp_path / "app"
+    shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("outputs", "__pycache__"))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "HOME": str(home), "APP": str(app), "PYTHONPATH": str(installed),
+           "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0
+    results = json.loads((home / "digits-outputs" / "digits" / "results.json").read_text())
+    accuracy = {name: metrics["accuracy"] for name, metrics in results["test"].items()}
+    assert set(accuracy) == {"fedavg", "fedbens"} and min(accuracy.values()) > 0.3, accuracy
+    left = subprocess.run(["pgrep", "-f", f"{home}/.flwr/local-superlink"],
+                          capture_output=True, text=True)
+    assert not left.stdout.strip(), f"SuperLink left running: {left.stdout}"
