@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import initial_models
+from conftest import InProcessGrid, initial_models
 from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
@@ -17,7 +17,7 @@ from fedfusion.architecture import ModelSpec
 from fedfusion.client import make_upload
 from fedfusion.client_app import run_client, settings_for_node
 from fedfusion.device import DEVICE_METRIC, client_device, device_label, device_metric
-from fedfusion.server_app import client_table
+from fedfusion.server_app import client_table, run_server
 from fedfusion.wire import decode_upload, encode_upload
 
 LENET = ModelSpec("lenet", (1, 28, 28), 10)
@@ -147,3 +147,21 @@ def test_a_client_on_the_gpu_matches_the_cpu(small_settings):
     decoded = decode_upload(encode_upload(gpu), "client 1",
                             lambda _model, _kwargs: LENET.param_shapes(), SECTIONS)
     assert client_table([decoded])[0]["device"] == f"cuda:{torch.cuda.current_device()}"
+
+
+@no_gpu
+def test_a_federation_reports_each_clients_device_and_excludes_a_cuda_client_by_name(
+        small_settings):
+    """Through the server and the in-process grid: ``auto`` clients report ``"cpu"`` in
+    results.json; a run asking for ``cuda`` on a machine without one excludes every client
+    with the reason naming it (the round then fails), instead of training anywhere."""
+    settings = small_settings.replace(train_subset=600, local_epochs=1)
+    results = run_server(settings.replace(run_name="auto"), InProcessGrid(settings))
+    assert results["status"] == "ok"
+    assert [c["device"] for c in results["clients"]] == ["cpu"] * settings.num_clients
+    cuda = settings.replace(client_device="cuda", run_name="cuda")
+    with pytest.raises(RuntimeError, match="0 valid upload") as failed:
+        run_server(cuda, InProcessGrid(cuda))
+    for client in range(settings.num_clients):
+        assert f"client {client}: client-device='cuda' but this process sees no CUDA" in str(
+            failed.value)
