@@ -14,6 +14,11 @@ The local objective is the cross-entropy, plus what the server's train config as
 round: the ClientApp keeps it in ``context.state``, which Flower persists per node across
 the rounds of a run (:func:`handle_train`).
 
+Where a client computes: run-config ``client-device`` (``auto``: the GPU Flower gave its
+process, else the CPU; :func:`fedfusion.device.client_device`). Its members train, its
+curvature and Grams are fitted and FENS' aggregator rounds run there; the data stays on the
+CPU and moves a batch at a time, and the upload is built from CPU copies.
+
 Where a client's training data comes from (run-config ``client-data``, :func:`training_data`):
 
 * ``partition`` (the default; simulations and demos): every process derives the same split
