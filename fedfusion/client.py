@@ -30,6 +30,7 @@ from torch import nn
 
 from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
+from fedfusion.device import DEVICE_METRIC, device_metric, model_device
 from fedfusion.evaluation import LabelledData, as_labelled
 from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
 from fedfusion.state import load_models
@@ -94,13 +95,18 @@ def make_upload(
 ) -> ClientUpload:
     """The upload of a client's trained ``models`` (its members) on its data ``(x, y)``.
 
+    Every section is computed on the device of the models (a GPU where the caller put them
+    there), the data moved to it one batch at a time; the arrays uploaded are CPU copies, the
+    same layout whatever the device, and the metric ``cuda-device`` says which device it was
+    (:data:`fedfusion.device.DEVICE_METRIC`).
+
     Parameters
     ----------
     models : sequence of nn.Module
-        The client's trained members (all of one architecture).
+        The client's trained members (all of one architecture, on one device).
     x, y : tensors
-        The client's training data (or ``x`` = an ``(x, y)`` pair / DataLoader, ``y`` = None):
-        curvature and Gram sections are computed on it.
+        The client's training data (or ``x`` = an ``(x, y)`` pair / DataLoader, ``y`` = None),
+        best left on the CPU: curvature and Gram sections are computed on it.
     sections : sequence of str, default ("weights",)
         Sections every member must carry (a failure raises).
     optional_sections : sequence of str, default ()
@@ -129,6 +135,10 @@ def make_upload(
         x, y = data.x, data.y
     if not models:
         raise ValueError("make_upload needs at least one trained model")
+    devices = sorted({str(model_device(model)) for model in models})
+    if len(devices) > 1:
+        raise ValueError(f"make_upload: the members are on different devices {devices}; "
+                         "move them to one")
     try:
         section_options = SectionOptions(**options)
     except TypeError as exc:
@@ -167,10 +177,11 @@ def make_upload(
     for member in members:  # every member carries the same sections
         for section in failed:
             member.pop(section, None)
+    device = model_device(models[0])
     if num_classes is None:
         with torch.no_grad():
-            num_classes = int(models[0](x[:1]).shape[-1])
-    histogram = torch.bincount(y.long(), minlength=num_classes)
+            num_classes = int(models[0](x[:1].to(device)).shape[-1])
+    histogram = torch.bincount(y.long().cpu(), minlength=num_classes)
     return ClientUpload(
         client_id=int(client_id),
         model=model_name or type(models[0]).__name__,
@@ -181,6 +192,7 @@ def make_upload(
             "stats-time-s": sum(section_s.values()),
             **{f"time-s/{section}": t for section, t in section_s.items()},
             "class-histogram": [int(v) for v in histogram],
+            DEVICE_METRIC: device_metric(device),
             **dict(metrics or {}),
             **({"client-time-s": time.perf_counter() - started} if started is not None else {}),
         },
@@ -203,7 +215,8 @@ def reply(
 
     ``client_id`` defaults to the node id; ``model_name``/``model_kwargs`` default to the
     architecture the server broadcast (pass your own where clients differ, for ensembles and
-    AMS). Other keyword arguments go to :func:`make_upload`.
+    AMS). Other keyword arguments go to :func:`make_upload`. Sections are computed on the
+    models' device (:func:`make_upload`).
     """
     sections, optional = requested_sections(msg)
     config = msg.content["config"] if "config" in msg.content else {}
@@ -219,9 +232,11 @@ def reply(
 
 
 def aggregator_reply(msg: Message, state: RecordDict, model_fn: Callable[[], nn.Module],
-                     x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Message:
+                     x: torch.Tensor, y: torch.Tensor, seed: int = 0,
+                     device: torch.device | str | None = None) -> Message:
     """The reply to one of FENS' aggregator rounds (:func:`is_aggregator_round`): the
     server's aggregator trained on the rows ``(x, y)`` this client held out of its local
     training (``state``: the node's ``context.state``, where the models' outputs on them
-    are kept between rounds). See :mod:`fedfusion.strategies.fens.client`."""
-    return fens_client.reply(msg, state, model_fn, x, y, seed)
+    are kept between rounds), on ``device`` (default: where ``model_fn()`` builds the
+    models). See :mod:`fedfusion.strategies.fens.client`."""
+    return fens_client.reply(msg, state, model_fn, x, y, seed, device)

@@ -14,6 +14,11 @@ The local objective is the cross-entropy, plus what the server's train config as
 round: the ClientApp keeps it in ``context.state``, which Flower persists per node across
 the rounds of a run (:func:`handle_train`).
 
+Where a client computes: run-config ``client-device`` (``auto``: the GPU Flower gave its
+process, else the CPU; :func:`fedfusion.device.client_device`). Its members train, its
+curvature and Grams are fitted and FENS' aggregator rounds run there; the data stays on the
+CPU and moves a batch at a time, and the upload is built from CPU copies.
+
 Where a client's training data comes from (run-config ``client-data``, :func:`training_data`):
 
 * ``partition`` (the default; simulations and demos): every process derives the same split
@@ -50,6 +55,7 @@ from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.datasets.local_file import LocalDataError, normalise, read_local_data
+from fedfusion.device import client_device
 from fedfusion.strategies.fens import HOLDOUT_KEY
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
@@ -59,7 +65,7 @@ log = logging.getLogger("fedfusion")
 
 #: run-config keys a SuperNode's node config may override for its own client
 NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads",
-                  "accelerate", "partition-file", "data-dir", "data-path")
+                  "client-device", "accelerate", "partition-file", "data-dir", "data-path")
 
 #: train-config keys by which a server with ``client-data='local'`` describes its data to the
 #: devices: the image shape ``[C, H, W]``, the class count and the per-channel normalisation
@@ -216,8 +222,13 @@ def run_client(
 
     ``previous[m]`` is member m's model after this client's previous round (for the
     contrastive term of ``objective``); ``server_config`` is the round's train config (it
-    describes the data with ``client-data='local'``, :func:`training_data`)."""
+    describes the data with ``client-data='local'``, :func:`training_data`).
+
+    The members live on ``settings.client_device`` (:func:`fedfusion.device.client_device`)
+    from their init on: training, the loss terms, curvature and Grams run there, the data
+    stays on the CPU and moves a batch at a time."""
     torch.set_num_threads(settings.client_threads)
+    device = client_device(settings.client_device, client_id)  # refused before any work
     started = time.perf_counter()
     data = training_data(settings, client_id, server_config)
     x, y = data.x, data.y
@@ -242,6 +253,7 @@ def run_client(
             if m < len(inits) and _same_shapes(inits[m], model.state_dict()):
                 model.load_state_dict({k: torch.from_numpy(v.copy())
                                        for k, v in inits[m].items()})
+            model.to(device)  # before the loss terms, which keep references to its weights
             member_terms.append(loss_terms(model, objective,
                                            previous[m] if m < len(previous) else None, stack))
         # all members in one computation where the model allows it (fedfusion.accel.stacked)
@@ -253,9 +265,9 @@ def run_client(
         contrastive_members += any(isinstance(t, ContrastiveTerm) for t in terms)
         extra = f" (+ {', '.join(type(t).__name__ for t in terms)})" if terms else ""
         train_s += stats.seconds
-        log.info("client %d member %d/%d: %d samples, %.1f s (%.0f samples/s), loss %.3f%s",
-                 client_id, m + 1, settings.num_members, len(y), stats.seconds,
-                 stats.samples_per_s, stats.final_loss, extra)
+        log.info("client %d member %d/%d on %s: %d samples, %.1f s (%.0f samples/s), "
+                 "loss %.3f%s", client_id, m + 1, settings.num_members, device, len(y),
+                 stats.seconds, stats.samples_per_s, stats.final_loss, extra)
     return make_upload(
         models, x, y, sections, optional_sections=optional_sections, client_id=client_id,
         model_name=spec.name, model_kwargs=spec.kwargs, num_classes=data.num_classes,
@@ -339,7 +351,8 @@ def aggregator_round(settings: Settings, client_id: int, content: RecordDict,
     spec = ModelSpec(default_model(settings, data.input_shape), data.input_shape,
                      data.num_classes, settings.parsed_model_kwargs())
     return fens_client.aggregator_round(content, state, spec.build, data.x[held],
-                                        data.y[held], seed=member_seed(settings, client_id, 0, 0))
+                                        data.y[held], seed=member_seed(settings, client_id, 0, 0),
+                                        device=client_device(settings.client_device, client_id))
 
 
 @app.train()

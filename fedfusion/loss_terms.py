@@ -35,7 +35,9 @@ class ProximalTerm:
         missing = sorted(set(self.params) - set(reference))
         if missing:
             raise ValueError(f"the proximal reference lacks parameters {missing}")
-        self.reference = {k: torch.as_tensor(reference[k]).detach() for k in self.params}
+        # on each parameter's device: a GPU client's term never mixes devices
+        self.reference = {k: torch.as_tensor(reference[k], device=p.device).detach()
+                          for k, p in self.params.items()}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mu / 2 * sum((p - self.reference[k]).pow(2).sum()

@@ -41,6 +41,7 @@ from fedfusion.app.inprocess import InProcessGrid
 from fedfusion.architecture import ModelSpec
 from fedfusion.client_app import data_description
 from fedfusion.datasets import load_dataset
+from fedfusion.device import DEVICE_METRIC, device_label
 from fedfusion.evaluation import evaluate, resolve_device
 from fedfusion.predictors import Ensemble, save_predictor
 from fedfusion.state import state_arrays
@@ -384,6 +385,8 @@ def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
         "num_examples": u.num_examples,
         "num_members": u.num_members,
         "model": u.model,
+        # where it trained and built its upload ("cpu", "cuda:<i>"; None: not reported)
+        "device": device_label(u.metrics.get(DEVICE_METRIC)),
         "class_histogram": u.metrics.get("class-histogram"),
         "train_time_s": float(u.metrics.get("train-time-s", 0.0)),
         "stats_time_s": float(u.metrics.get("stats-time-s", 0.0)),

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.accel import requested
+from fedfusion.device import model_device
 from fedfusion.loss_terms import LossTerm, ProximalTerm
 
 __all__ = ["LossTerm", "ProximalTerm", "TrainConfig", "TrainStats", "train_local",
@@ -62,8 +63,11 @@ def train_local(
 ) -> TrainStats:
     """Train ``model`` in place on ``(x, y)`` with SGD; the batch order depends on ``seed`` only.
 
-    Each step minimises ``cross_entropy + sum(term(x_batch) for term in loss_terms)``."""
+    Each step minimises ``cross_entropy + sum(term(x_batch) for term in loss_terms)``. The
+    model trains on its own device: ``(x, y)`` may stay on the CPU, each batch is moved
+    there (the shuffle is drawn on the CPU, so the order is the same on every device)."""
     generator = torch.Generator().manual_seed(seed)
+    device = model_device(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     model.train()
     n = len(y)
@@ -74,8 +78,8 @@ def train_local(
         for begin in range(0, n, config.batch_size):
             batch = order[begin : begin + config.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            inputs = x[batch]
-            loss = F.cross_entropy(model(inputs), y[batch])
+            inputs = x[batch].to(device, non_blocking=True)
+            loss = F.cross_entropy(model(inputs), y[batch].to(device, non_blocking=True))
             for term in loss_terms:
                 loss = loss + term(inputs)
             loss.backward()
@@ -109,7 +113,9 @@ def train_members(
     model, or a loss term other than a :class:`ProximalTerm` on the member itself, trains one
     member after the other with :func:`train_local`. Members whose feature maps are large
     train in chunks of fewer members (:data:`CHUNK_BYTES`). The stacked engine reports one
-    wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``."""
+    wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``.
+    The stacked engine is a CPU engine: members on a GPU train one after the other with
+    :func:`train_local` on their device, whatever ``accelerate`` says."""
     if len(seeds) != len(models):
         raise ValueError(f"train_members got {len(models)} models and {len(seeds)} seeds")
     terms = [list(t) for t in loss_terms] if loss_terms is not None else [[] for _ in models]
@@ -120,7 +126,7 @@ def train_members(
         return [train_local(model, x, y, config, seed, member_terms)
                 for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
 
-    if not requested(accelerate):
+    if not requested(accelerate) or any(model_device(m).type != "cpu" for m in models):
         return one_by_one()
     from fedfusion.accel.stacked import compile_members, train_stacked
 

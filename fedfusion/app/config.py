@@ -20,6 +20,7 @@ import torch
 from fedfusion.app.paths import output_name_error
 from fedfusion.architecture import ModelSpec
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
+from fedfusion.device import CLIENT_DEVICE_PATTERN
 from fedfusion.normalization import NORM_STATS
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
@@ -78,6 +79,9 @@ class Settings:
     momentum: float = 0.9
     batch_size: int = 64
     client_threads: int = 1
+    # where a client trains, fits curvature and builds its upload: auto = the GPU Flower
+    # gave its process (Ray's visible devices, a SuperNode's GPU), else the CPU
+    client_device: str = "auto"
     accelerate: bool = True
     largest_client_first: bool = False
     # Laplace curvature (FedBEns and its curvature-based baselines)
@@ -269,6 +273,9 @@ class Settings:
                 raise ConfigError(f"run-config {key!r} must be > 0")
         if self.server_device not in ("auto", "cpu") and not self.server_device.startswith("cuda"):
             raise ConfigError("run-config 'server-device' must be 'auto', 'cpu' or 'cuda[:i]'")
+        if not CLIENT_DEVICE_PATTERN.fullmatch(self.client_device):
+            raise ConfigError("run-config 'client-device' must be 'auto', 'cpu', 'cuda' or "
+                              f"'cuda:<i>', got {self.client_device!r}")
         if not 0 <= self.holdout_fraction < 1:
             raise ConfigError("run-config 'holdout-fraction' must be in [0, 1) (0: FENS' "
                               f"{FENS_HOLDOUT} for strategy 'fens', none otherwise), got "

@@ -79,6 +79,7 @@ from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
+from fedfusion.device import model_device
 from fedfusion.state import StateLayout
 
 log = logging.getLogger("fedfusion")
@@ -203,7 +204,9 @@ def fit_laplace(
     batches = BatchSampler(SequentialSampler(range(len(y))), batch_size, drop_last=False)
     loader = DataLoader(TensorDataset(x, y), sampler=batches, batch_size=None)
     laplace_kwargs.setdefault("subset_of_weights", "all")
-    devices = [x.device] if x.device.type == "cuda" else []
+    # laplace-torch moves each batch to the model's device; its MC draws happen there
+    device = model_device(model)
+    devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
             torch.manual_seed(seed)
@@ -366,12 +369,13 @@ def last_layer_block(
     handle = layer.register_forward_hook(lambda _m, args, _out: inputs.append(args[0]))
     was_training = model.training
     model.eval()
-    outer = torch.zeros(classes * width, classes * width, dtype=torch.float64, device=x.device)
-    class_blocks = torch.zeros(classes, width, width, dtype=torch.float64, device=x.device)
+    device = model_device(model)  # (x, y) may stay on the CPU: one batch at a time moves
+    outer = torch.zeros(classes * width, classes * width, dtype=torch.float64, device=device)
+    class_blocks = torch.zeros(classes, width, width, dtype=torch.float64, device=device)
     try:
         for start in range(0, len(y), batch_size):
             inputs.clear()
-            prob = model(x[start : start + batch_size]).softmax(-1)
+            prob = model(x[start : start + batch_size].to(device)).softmax(-1)
             psi = inputs[0].reshape(len(prob), features)
             if layer.bias is not None:
                 psi = torch.cat([psi, torch.ones_like(psi[:, :1])], dim=1)
@@ -379,7 +383,8 @@ def last_layer_block(
                 class_blocks += torch.einsum("nk,nf,ng->kfg", prob, psi, psi).double()
                 rows = prob
             else:
-                rows = prob - nn.functional.one_hot(y[start : start + batch_size], classes)
+                rows = prob - nn.functional.one_hot(y[start : start + batch_size].to(device),
+                                                    classes)
             v = (rows[:, :, None] * psi[:, None, :]).reshape(len(prob), -1)
             outer += (v.T @ v).double()
     finally:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
+from fedfusion.device import model_device
 from fedfusion.im2col import patch_rows, unsupported_conv
 from fedfusion.state import KRON_MODULES
 
@@ -93,7 +94,9 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
             return out.clone()
         return hook
 
-    generator = torch.Generator(device=x.device)
+    # the model's device: ``x`` may stay on the CPU, one batch at a time moves there
+    device = model_device(model)
+    generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
     was_training = model.training
@@ -102,7 +105,7 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
     diag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in diag_params.items()}
     try:
         for start in range(0, len(x), batch_size):
-            batch = x[start:start + batch_size]
+            batch = x[start:start + batch_size].to(device)
             inputs.clear()
             outputs.clear()
             with torch.enable_grad():

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from fedfusion.device import DEVICE_METRIC, device_label
 from fedfusion.state import WIRE_DTYPES, StateLayout
 from fedfusion.wire.format import MAX_MEMBERS, WEIGHTS, ClientUpload, ParamShapes
 
@@ -188,6 +189,10 @@ def _check_metrics(metrics: object, num_examples: int, who: str | int) -> None:
                     isinstance(value, float) and not math.isfinite(value)):
                 raise UploadError(who, f"metric {key!r} must be a finite number >= 0, got "
                                        f"{_brief(value)}")
+    device = metrics.get(DEVICE_METRIC)
+    if device is not None and device_label(device) is None:
+        raise UploadError(who, f"metric {DEVICE_METRIC!r} must be an integer >= -2 (-1: CPU, "
+                               f"i: cuda:i, -2: another device), got {_brief(device)}")
     histogram = metrics.get("class-histogram")
     if histogram is not None:
         if not isinstance(histogram, list) or not all(

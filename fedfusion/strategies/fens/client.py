@@ -17,6 +17,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
+from fedfusion.device import model_device
 from fedfusion.predictors import LogitAggregator
 from fedfusion.state import load_models
 from fedfusion.strategies.fens.training import (
@@ -45,14 +46,20 @@ def is_aggregator_round(msg: Message | RecordDict) -> bool:
 
 def aggregator_round(content: RecordDict, state: RecordDict,
                      model_fn: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor,
-                     seed: int = 0) -> RecordDict:
+                     seed: int = 0, device: torch.device | str | None = None) -> RecordDict:
     """The reply content of one aggregator round on the held-out rows ``(x, y)``: the
-    client's new aggregator and its row count (``x`` is used in the first round only)."""
+    client's new aggregator and its row count (``x`` is used in the first round only).
+
+    The models' features and the aggregator's training run on ``device`` (default: where
+    ``model_fn()`` builds the models), the rows moved there a batch at a time; what is kept
+    in ``state`` and sent back are CPU copies."""
     config = content["config"]
     num_models, num_classes = int(config[NUM_MODELS_KEY]), int(config[NUM_CLASSES_KEY])
     if MODELS_RECORD in content:
         models = load_models(decode_models(content[MODELS_RECORD]), model_fn,
                              "FENS: uploaded model")
+        if device is not None:
+            models = [model.to(device) for model in models]
         if len(models) != num_models:
             raise ValueError(f"FENS: the server sent {len(models)} models for an aggregator "
                              f"over {num_models}")
@@ -73,18 +80,23 @@ def aggregator_round(content: RecordDict, state: RecordDict,
     received = content[AGGREGATOR_RECORD]
     aggregator.load_state_dict({k: torch.from_numpy(np.array(received[k].numpy()))
                                 for k in aggregator.state_dict()})
+    if device is None:  # where model_fn() builds the models (the first round's models)
+        with torch.random.fork_rng(devices=[]):
+            device = model_device(model_fn())
+    aggregator.to(device)
     loss = 0.0
     if len(labels):
         loss = train_locally(aggregator, z, labels, LocalTraining.from_config(config),
                              seed * 1_000_003 + int(config.get("server-round", 0)))
     return RecordDict({
-        AGGREGATOR_RECORD: ArrayRecord({k: Array(v.detach().numpy().copy())
+        AGGREGATOR_RECORD: ArrayRecord({k: Array(v.detach().cpu().numpy().copy())
                                         for k, v in aggregator.state_dict().items()}),
         "metrics": MetricRecord({"num-examples": len(labels), "fens.loss": loss})})
 
 
 def reply(msg: Message, state: RecordDict, model_fn: Callable[[], nn.Module],
-          x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> Message:
+          x: torch.Tensor, y: torch.Tensor, seed: int = 0,
+          device: torch.device | str | None = None) -> Message:
     """The Flower reply to an aggregator round (:func:`aggregator_round`)."""
-    return Message(content=aggregator_round(msg.content, state, model_fn, x, y, seed),
+    return Message(content=aggregator_round(msg.content, state, model_fn, x, y, seed, device),
                    reply_to=msg)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.device import model_device
 from fedfusion.predictors import LogitAggregator, member_log_probs
 
 #: train-config keys of an aggregator round (the client helpers read them)
@@ -73,17 +74,22 @@ class LocalTraining:
 @torch.no_grad()
 def features(models: Sequence[nn.Module], x: torch.Tensor, batch_size: int = 1000
              ) -> torch.Tensor:
-    """``[N, K, C]``: every model's log-probabilities on every row of ``x`` (eval mode)."""
+    """``[N, K, C]``: every model's log-probabilities on every row of ``x`` (eval mode),
+    computed on the models' device (``x`` moved there a batch at a time), returned on the
+    CPU."""
     for model in models:
         model.eval()
-    return torch.cat([member_log_probs(models, x[i:i + batch_size]).float()
+    device = model_device(models[0]) if models else torch.device("cpu")
+    return torch.cat([member_log_probs(models, x[i:i + batch_size].to(device)).float().cpu()
                       for i in range(0, len(x), batch_size)]) if len(x) else torch.empty(0)
 
 
 def train_locally(aggregator: LogitAggregator, z: torch.Tensor, y: torch.Tensor,
                   training: LocalTraining, seed: int) -> float:
     """``training.epochs`` passes of SGD on the cross-entropy of ``aggregator`` over
-    (z, y), batches shuffled by ``seed``; returns the last epoch's mean loss."""
+    (z, y), batches shuffled by ``seed``; returns the last epoch's mean loss. The
+    aggregator trains on its own device, ``(z, y)`` moved there a batch at a time."""
+    device = model_device(aggregator)
     optimizer = torch.optim.SGD(aggregator.parameters(), lr=training.lr,
                                 momentum=training.momentum)
     generator = torch.Generator().manual_seed(seed)
@@ -94,7 +100,8 @@ def train_locally(aggregator: LogitAggregator, z: torch.Tensor, y: torch.Tensor,
         for start in range(0, len(y), training.batch_size):
             index = order[start:start + training.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(aggregator(z[index]), y[index].long())
+            loss = F.cross_entropy(aggregator(z[index].to(device)),
+                                   y[index].long().to(device))
             loss.backward()
             optimizer.step()
             loss_sum += loss.item() * len(index)
