@@ -43,6 +43,7 @@ Every array present must be symmetric and positive semi-definite up to float32 r
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 
@@ -50,8 +51,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.capture import LinearInputs, LinearMap, linear_maps
 from fedfusion.im2col import patch_rows, unsupported_conv
 from fedfusion.wire import check_array_names
+
+log = logging.getLogger("fedfusion")
 
 #: relative asymmetry ``max|G - G^T| / max diag(G)`` above which a Gram is refused
 SYMMETRY_TOL = 1e-5
@@ -62,32 +66,32 @@ SYMMETRY_TOL = 1e-5
 PSD_TOL = 1e-3
 
 
-def gram_layers(model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
-    """The modules whose weights get a Gram, keyed by the weight's parameter name."""
-    return {f"{name}.weight" if name else "weight": module
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear | nn.Conv2d)}
+def gram_layers(model: nn.Module) -> dict[str, LinearMap]:
+    """The linear maps whose weights get a Gram (:func:`fedfusion.capture.linear_maps`:
+    Linear, Conv2d, the packed in-projection of ``nn.MultiheadAttention``), keyed by the
+    weight's parameter name."""
+    return linear_maps(model)
 
 
-def gram_size(module: nn.Linear | nn.Conv2d) -> int:
-    """Side of the Gram of a Linear (``in_features``) or Conv2d (``in_channels / groups * kh *
-    kw``) layer, + 1 with a bias (the constant input)."""
-    if isinstance(module, nn.Conv2d):
-        size = module.in_channels // module.groups * math.prod(module.kernel_size)
-    else:
-        size = module.in_features
-    return size + (1 if module.bias is not None else 0)
+def gram_size(layer: LinearMap) -> int:
+    """Side of the Gram of a linear map: the columns of its weight's matrix view (Linear
+    ``in_features``, Conv2d ``in_channels / groups * kh * kw``, attention ``embed_dim``), + 1
+    with a bias (the constant input)."""
+    return layer.in_features + (1 if layer.bias is not None else 0)
 
 
 def model_gram_sizes(model: nn.Module) -> dict[str, int]:
-    """Gram side per Linear/Conv2d weight of ``model``, from its module types (works on the
+    """Gram side per linear-map weight of ``model``, from its module types (works on the
     meta device)."""
-    return {name: gram_size(module) for name, module in gram_layers(model).items()}
+    return {name: gram_size(layer) for name, layer in gram_layers(model).items()}
 
 
-def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
+def layer_inputs(module: nn.Module, inputs: torch.Tensor, bias: bool | None = None
+                 ) -> torch.Tensor:
     """The rows the layer's weight multiplies: ``[rows, in (+1 with a bias)]``, in the
-    inputs' dtype."""
+    inputs' dtype: a Conv2d's im2col patches, else the inputs' last dimension (extra leading
+    dimensions, e.g. a sequence's positions, count as more rows). ``bias``: whether to append
+    the constant 1 (default: whether ``module`` has a ``bias``)."""
     if isinstance(module, nn.Conv2d):
         if unsupported_conv(module):
             raise ValueError(f"gram: conv layer {module} (groups / padding mode / string "
@@ -95,7 +99,9 @@ def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.T
         rows = patch_rows(module, inputs)  # [B L, c*k*k]
     else:
         rows = inputs.reshape(-1, inputs.shape[-1])
-    if module.bias is not None:
+    if bias is None:
+        bias = getattr(module, "bias", None) is not None
+    if bias:
         rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)],
                          dim=1)
     return rows
@@ -118,32 +124,42 @@ def forward_with_hooks(model: nn.Module, x: torch.Tensor, hooks: Mapping[nn.Modu
 @torch.no_grad()
 def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
                 ) -> dict[str, np.ndarray]:
-    """Per Linear/Conv2d weight, the Gram of the layer's (unfolded, bias-augmented) inputs
-    summed over all samples of ``x``; float32 arrays keyed by the weight's name."""
+    """Per linear-map weight, the Gram of the layer's (unfolded, bias-augmented) inputs
+    summed over all samples of ``x``; float32 arrays keyed by the weight's name.
+
+    The inputs are captured by :class:`fedfusion.capture.LinearInputs` (attention
+    projections included, PyTorch's fused attention fast path off). A layer no call of which
+    was captured (unused, or read without calling it) gets a zero Gram: RegMean then keeps
+    its sample-weighted average (see :meth:`fedfusion.strategies.regmean.LayerSums.solve`)."""
     layers = gram_layers(model)
     if not layers:
-        raise ValueError("gram: the model has no Linear or Conv2d layer")
+        raise ValueError("gram: the model has no Linear, Conv2d or attention layer")
+    if len(x) == 0:
+        raise ValueError("gram: no samples")
     sums: dict[str, torch.Tensor] = {}
-
-    def hook_for(name: str):  # noqa: ANN202 (a torch forward hook)
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
-                 ) -> None:
-            rows = layer_inputs(module, args[0])  # type: ignore[arg-type]
-            # one batch's sum in the inputs' precision (float32: 2-3x faster than a float64
-            # GEMM, ~1e-6 relative over a batch), the running sum over batches in float64
-            gram = (rows.T @ rows).double()
-            sums[name] = sums[name] + gram if name in sums else gram
-        return hook
-
+    capture = LinearInputs(model, layers)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        forward_with_hooks(model, x, {m: hook_for(n) for n, m in layers.items()}, batch_size)
+        for start in range(0, len(x), batch_size):
+            capture.clear()
+            with capture.active():
+                model(x[start:start + batch_size].to(device))
+            for name, calls in capture.calls.items():
+                layer = layers[name]
+                for call in calls:
+                    rows = layer_inputs(layer.module, call.inputs, layer.bias is not None)
+                    # one batch's sum in the inputs' precision (float32: 2-3x faster than a
+                    # float64 GEMM, ~1e-6 relative over a batch), the running sum in float64
+                    gram = (rows.T @ rows).double()
+                    sums[name] = sums[name] + gram if name in sums else gram
     finally:
         model.train(was_training)
-    missing = sorted(set(layers) - set(sums))
-    if missing:
-        raise ValueError(f"gram: layer(s) {missing} saw no input (empty x or unused layer)")
+    for name in sorted(set(layers) - set(sums)):
+        log.info("gram: no input of %r was captured; a zero Gram (RegMean averages it)", name)
+        size = gram_size(layers[name])
+        sums[name] = torch.zeros(size, size, dtype=torch.float64)
     return {name: (0.5 * (g + g.T)).cpu().numpy().astype(np.float32)
             for name, g in sums.items()}
 

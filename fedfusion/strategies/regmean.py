@@ -115,16 +115,13 @@ class LayerSums:
         return torch.linalg.solve(lhs + ridge * eye, rhs + ridge * self.average), ridge
 
 
-def as_matrix(weights: dict[str, np.ndarray], name: str, with_bias: bool) -> np.ndarray:
-    """``[W.reshape(out, -1) | b]`` of the layer whose weight is ``name``: ``[out, n]``."""
+def as_matrix(weights: dict[str, np.ndarray], name: str, bias: str | None) -> np.ndarray:
+    """``[W.reshape(out, -1) | b]`` of the layer whose weight is ``name`` and bias ``bias``
+    (None: no bias): ``[out, n]``."""
     w = weights[name].reshape(weights[name].shape[0], -1)
-    if with_bias:
-        w = np.concatenate([w, weights[bias_name(name)][:, None]], axis=1)
+    if bias is not None:
+        w = np.concatenate([w, weights[bias][:, None]], axis=1)
     return w.astype(np.float64)
-
-
-def bias_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "bias"
 
 
 class RegMean(FusionStrategy):
@@ -160,9 +157,8 @@ class RegMean(FusionStrategy):
             with torch.device("meta"):
                 model = self.context.model_spec.build()
             sizes = model_gram_sizes(model)
-            self._layers = {name: (sizes[name], bias_name(name) if module.bias is not None
-                                   else None)
-                            for name, module in gram_layers(model).items()}
+            self._layers = {name: (sizes[name], layer.bias)
+                            for name, layer in gram_layers(model).items()}
         return self._layers
 
     def check_grams(self, upload: ClientUpload) -> None:
@@ -199,13 +195,12 @@ class RegMean(FusionStrategy):
         device, f64 = self.context.device, torch.float64
         sums = {}
         for name, (size, bias) in self.linear_layers().items():
-            with_bias = bias is not None
-            avg = torch.from_numpy(as_matrix(average, name, with_bias).T.copy()).to(device)
+            avg = torch.from_numpy(as_matrix(average, name, bias).T.copy()).to(device)
             layer = LayerSums(torch.zeros(size, size, dtype=f64, device=device),
                               torch.zeros_like(avg), torch.zeros_like(avg), avg, bias)
             for upload in holders:
                 gram = torch.from_numpy(upload.members[member][GRAM][name]).to(device, f64)
-                w_t = torch.from_numpy(as_matrix(upload.weights(member), name, with_bias).T
+                w_t = torch.from_numpy(as_matrix(upload.weights(member), name, bias).T
                                        .copy()).to(device)
                 layer.gram += gram
                 layer.cross += gram @ w_t
