@@ -18,8 +18,9 @@ client's word, also on the meta device):
   ``softmax(q k^T / sqrt(d_h)) v``, concatenated) to the module's output.
 
 Every other parameter (LayerNorm, BatchNorm, Embedding, a learned position ``nn.Parameter``,
-a user's ``F.linear`` on its own ``nn.Parameter``) is not a linear map of a captured input: it
-gets a diagonal curvature block, and RegMean averages it.
+a user's ``F.linear`` on its own ``nn.Parameter``, an attention with separate
+``q/k/v_proj_weight`` and its ``out_proj``) is not a linear map of a captured input: it gets a
+diagonal curvature block, and RegMean averages it.
 
 Capturing (:class:`LinearInputs`): ``nn.Linear`` / ``nn.Conv2d`` by forward hooks.
 ``nn.MultiheadAttention`` reads ``in_proj_weight`` and ``out_proj.weight`` through
@@ -85,7 +86,12 @@ def linear_maps(model: nn.Module) -> dict[str, LinearMap]:
     """Every linear map of ``model`` (see the module docstring), keyed by its weight's name, in
     ``named_modules`` order; from the module types alone (works on the meta device)."""
     maps: dict[str, LinearMap] = {}
+    # an attention with separate q/k/v weights is not recomputed: its out_proj stays diagonal
+    separate = {_joined(name, "out_proj") for name, m in model.named_modules()
+                if isinstance(m, nn.MultiheadAttention) and not m._qkv_same_embed_dim}
     for name, module in model.named_modules():
+        if name in separate:
+            continue
         if isinstance(module, nn.Linear | nn.Conv2d):
             kind = "conv" if isinstance(module, nn.Conv2d) else "linear"
             bias = _joined(name, "bias") if module.bias is not None else None

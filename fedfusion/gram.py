@@ -1,7 +1,8 @@
 """Upload section ``gram``: per layer, the Gram matrix of the layer's inputs (for RegMean).
 
-For every ``nn.Linear`` and ``nn.Conv2d`` module of a model the client computes, over its
-training samples x_1..x_N,
+For every linear map of a model (:func:`fedfusion.capture.linear_maps`: ``nn.Linear``,
+``nn.Conv2d``, the packed in-projection of ``nn.MultiheadAttention``) the client computes,
+over its training samples x_1..x_N,
 
 * Linear ``W [out, in]``: G = X^T X = sum_n a_n a_n^T, ``[in, in]``, where a_n is the input
   the layer sees for sample n (inputs with extra leading dimensions count every position);
@@ -9,9 +10,17 @@ training samples x_1..x_N,
   (:func:`torch.nn.functional.unfold` with the layer's kernel, dilation, padding and
   stride), so G = sum_n sum_p u_{n,p} u_{n,p}^T over the samples and the spatial positions
   p, ``[c*kh*kw, c*kh*kw]``, ordered as ``W.reshape(out, -1)`` is (channel-major).
+* ``nn.MultiheadAttention`` (one packed projection, self-attention): its ``in_proj_weight``
+  ``[3d, d]`` is one linear map of the attention's input h, so G = sum_n sum_l h_nl h_nl^T
+  over samples and tokens, ``[d, d]``; its ``out_proj`` (a Linear the attention never calls)
+  has the Gram of the attention output. Both are captured by :mod:`fedfusion.capture`, with
+  PyTorch's fused attention fast path off.
 * A layer WITH a bias is the linear map ``[W | b]`` of the inputs augmented with a constant
   1, so its Gram is that of ``[a, 1]``: ``[in+1, in+1]`` (the last row/column is the
   bias's), and it covers both the weight and the bias.
+* A layer no call of which is captured (never applied, or its weight read without calling
+  it) has a zero Gram; RegMean keeps the sample-weighted average for a layer whose Gram sum is
+  zero.
 
 The array is stored under the weight's parameter name (``"classifier.0.weight"``), summed
 (not averaged) over samples: per batch in the inputs' precision, over batches in float64;
@@ -19,7 +28,7 @@ shipped as float32, symmetrised.
 Grouped convolutions and non-zero padding modes are refused (their unfolded patches are not
 what the weight multiplies).
 
-Which parameters are Linear/Conv2d weights is a property of the MODULES, not of the shapes:
+Which parameters are linear-map weights is a property of the MODULES, not of the shapes:
 an ``nn.Embedding`` weight is 2-D like a Linear weight, and BatchNorm/LayerNorm parameters
 are 1-D. So the layers are read from the model's module types (:func:`gram_layers`,
 :func:`model_gram_sizes`) wherever the model is at hand: on the client (:func:`layer_grams`)

@@ -17,7 +17,15 @@ are independent, as at prediction time). Then, summed over the client's ``N`` sa
 * ``nn.Conv2d`` (im2col patches ``p_nl`` at the ``L`` output positions, output gradients
   ``G_n`` ``[out, L]``): ``B = sum_n G_n G_n^T``, ``A = (1 / (N L)) sum_n sum_l p_nl p_nl^T``;
   the bias as above;
-* every other parameter ``theta``: the diagonal of the same Fisher,
+* ``nn.MultiheadAttention`` (one packed projection, self-attention): ``in_proj_weight``
+  ``[3d, d]`` is one linear map of the attention's input ``h`` at every token, so it is a
+  Linear with positions: ``B = sum_n sum_l g_nl g_nl^T`` (``g = dL / d[q; k; v]``),
+  ``A = (1/N) sum_n sum_l h_nl h_nl^T``, ``in_proj_bias`` ``B``; ``out_proj`` likewise with the
+  attention output. The inputs and outputs are captured by :mod:`fedfusion.capture`;
+* a linear map never applied: zero factors (its GGN is zero); one the loss depends on without
+  a captured call: refused, naming it and the ``diag`` structure;
+* every other parameter ``theta`` (LayerNorm, Embedding, a learned position ``nn.Parameter``,
+  a user's layer): the diagonal of the same Fisher,
   ``h = sum_n (d -log p(y~_n | x_n) / d theta)^2``, from per-sample gradients
   (``torch.func.vmap`` over ``torch.func.grad``; a module that cannot be vmapped is
   differentiated one sample at a time, slower but the same numbers).
@@ -149,7 +157,8 @@ def _accumulate_batch(sums: dict[str, list[torch.Tensor]], maps: dict[str, Linea
 
 def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Module,
                 inputs: torch.Tensor, g: torch.Tensor) -> None:
-    """Add one batch's ``(sum g g^T, sum a a^T [/ L])`` of a Linear/Conv2d to ``sums``."""
+    """Add one call's ``(sum g g^T, sum a a^T [/ L])`` of a linear map to ``sums`` (a Conv2d's
+    patches; a Linear's or an attention projection's rows, positions pooled)."""
     if isinstance(module, nn.Conv2d):
         if inputs.ndim == 3:  # an unbatched [C, H, W] input
             inputs, g = inputs.unsqueeze(0), g.unsqueeze(0)

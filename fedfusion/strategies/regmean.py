@@ -43,6 +43,11 @@ Details and departures from the reference code (Jin et al.'s and the FedFisher/F
   input pixels with alpha = 1) it adds a tiny ridge ``lam = RIDGE * lambda_max`` pulling
   towards the sample-weighted average W_avg, (S + lam I) W^T = R + lam W_avg^T, so directions
   no client's inputs reach keep the FedAvg weights instead of arbitrary values.
+* Attention: the packed in-projection of ``nn.MultiheadAttention`` (``[W_in | b_in]``,
+  ``[3d, d+1]``) and its ``out_proj`` are linear maps of captured inputs
+  (:mod:`fedfusion.capture`) and are merged like Linear layers; a layer whose Gram sum is
+  zero (no client captured an input of it) keeps the average. ``report()`` lists
+  ``gram_layers`` and the ``averaged`` parameters.
 * Members (M > 1 per client) are merged index by index, as FedAvg does, into an ensemble.
 """
 
@@ -253,8 +258,13 @@ class RegMean(FusionStrategy):
             if best is None or score > best[0]:
                 best = (score, alpha, predictor)
         assert best is not None
+        merged = {n for name, (_, bias) in self.linear_layers().items() for n in (name, bias)}
         self._report = {"alphas": results, "chosen_alpha": best[1],
-                        "selection": "validation" if val is not None else "last value"}
+                        "selection": "validation" if val is not None else "last value",
+                        # the stated rule: Gram-weighted least squares for the linear maps,
+                        # the sample-weighted average for every other state entry
+                        "gram_layers": list(self.linear_layers()),
+                        "averaged": [n for n in spec.param_shapes() if n not in merged]}
         return best[2].cpu()
 
     def report(self) -> dict[str, Any]:
