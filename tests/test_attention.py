@@ -283,3 +283,27 @@ def test_zoo_transformers_kron_blocks_are_the_layouts_and_pass_the_server(name, 
     assert set(rebuilt.diagonals) == set(curvature.diagonals)
     maps = linear_maps(model)
     assert {m.kind for m in maps.values()} >= {"attention", "linear"}
+
+
+def test_curvature_blocks_per_structure_and_the_summary_line(capsys):
+    """Which parameter gets which block, from the server's layout alone, and the summary's
+    ``blocks`` line built from a strategy report."""
+    from fedfusion.curvature import curvature_blocks
+    from fedfusion.server_app import print_summary
+
+    layout = ModelSpec("vit", (1, 28, 28), 10, {"dim": 8, "heads": 2, "layers": 1}
+                       ).param_shapes()
+    kron = curvature_blocks("kron", layout)
+    assert "encoder.encoder.layers.0.self_attn.in_proj_weight" in kron["kron"]
+    assert "encoder.encoder.layers.0.self_attn.out_proj.weight" in kron["kron"]
+    assert {"encoder.position", "encoder.norm.weight"} <= set(kron["diagonal"])
+    assert sorted(kron["kron"] + kron["diagonal"]) == sorted(layout.parameters)
+    assert curvature_blocks("diag", layout) == {"kron": [], "diagonal": list(layout.parameters)}
+    assert curvature_blocks("diag_full", layout)["full"] == ["encoder.head.weight",
+                                                             "encoder.head.bias"]
+    settings = {"strategy": "fedbens", "num-rounds": 1, "dataset": "fmnist",
+                "partitioner": "dirichlet", "alpha": 0.5, "seed": 0, "num-clients": 3}
+    print_summary({"settings": settings, "status": "ok", "output_dir": "out",
+                   "strategy_report": {"curvature_blocks": kron}})
+    line = next(x for x in capsys.readouterr().out.splitlines() if "blocks" in x)
+    assert f"kron {len(kron['kron'])} | diagonal {len(kron['diagonal'])} (" in line
