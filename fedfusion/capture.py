@@ -33,7 +33,8 @@ a forward hook on the attention module recomputes its output from explicit piece
 and is checked against it (a mismatch raises, so the curvature never describes a different
 function). During capture PyTorch's fused "fast path" of ``nn.MultiheadAttention`` and
 ``nn.TransformerEncoderLayer`` (taken in eval mode without grad; it bypasses every
-submodule) is switched off (``torch.backends.mha.set_fastpath_enabled``), and restored after.
+submodule; recent PyTorch also skips it when a submodule has hooks) is switched off
+(``torch.backends.mha.set_fastpath_enabled``), and restored after.
 
 A linear map the forward pass never reaches this way yields no record: unused (its curvature
 and Gram are exactly zero) or read without a capturable call (a Linear's weight in a user's

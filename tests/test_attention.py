@@ -169,8 +169,9 @@ class EncoderNet(nn.Module):
 def test_gram_of_an_encoder_layer_equals_the_collected_inputs(norm_first):
     """Every linear map's Gram is [a, 1]^T [a, 1] summed over samples and tokens, with the
     inputs collected here on the unfused path: the attention's input (its query), the
-    attention output (recomputed by hand), the feed-forward layers' inputs. The fast path
-    (eval, no grad) would bypass every submodule; the Gram must not be fooled by it."""
+    attention output (recomputed by hand), the feed-forward layers' inputs. In eval mode
+    without grad PyTorch's fused fast path bypasses every submodule (this torch skips it
+    once a hook is attached; the capture also switches it off); the Gram must not be fooled."""
     torch.manual_seed(4)
     model = EncoderNet(norm_first).eval()
     x = torch.randn(9, TOKENS, DIM)
