@@ -239,7 +239,10 @@ def run_tests(tests: Sequence[str], mutant: str | None, report: Path) -> dict[st
     seen: dict[str, list[tuple[str, str]]] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         path = case.get("classname", "").replace(".", "/") + ".py"
-        name = case.get("name", "").split("[")[0]  # a listed test covers all its parameters
+        # a listed test covers all its parameters; one listed with "[params]" only that case
+        name, _, params = case.get("name", "").partition("[")
+        if f"{path}::{name}[{params}" in outcomes:
+            name = f"{name}[{params}"
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             found = case.find(tag)
