@@ -1,7 +1,8 @@
 """Upload section ``gram``: per layer, the Gram matrix of the layer's inputs (for RegMean).
 
-For every ``nn.Linear`` and ``nn.Conv2d`` module of a model the client computes, over its
-training samples x_1..x_N,
+For every linear map of a model (:func:`fedfusion.capture.linear_maps`: ``nn.Linear``,
+``nn.Conv2d``, the packed in-projection of ``nn.MultiheadAttention``) the client computes,
+over its training samples x_1..x_N,
 
 * Linear ``W [out, in]``: G = X^T X = sum_n a_n a_n^T, ``[in, in]``, where a_n is the input
   the layer sees for sample n (inputs with extra leading dimensions count every position);
@@ -9,9 +10,17 @@ training samples x_1..x_N,
   (:func:`torch.nn.functional.unfold` with the layer's kernel, dilation, padding and
   stride), so G = sum_n sum_p u_{n,p} u_{n,p}^T over the samples and the spatial positions
   p, ``[c*kh*kw, c*kh*kw]``, ordered as ``W.reshape(out, -1)`` is (channel-major).
+* ``nn.MultiheadAttention`` (one packed projection, self-attention): its ``in_proj_weight``
+  ``[3d, d]`` is one linear map of the attention's input h, so G = sum_n sum_l h_nl h_nl^T
+  over samples and tokens, ``[d, d]``; its ``out_proj`` (a Linear the attention never calls)
+  has the Gram of the attention output. Both are captured by :mod:`fedfusion.capture`, with
+  PyTorch's fused attention fast path off.
 * A layer WITH a bias is the linear map ``[W | b]`` of the inputs augmented with a constant
   1, so its Gram is that of ``[a, 1]``: ``[in+1, in+1]`` (the last row/column is the
   bias's), and it covers both the weight and the bias.
+* A layer no call of which is captured (never applied, or its weight read without calling
+  it) has a zero Gram; RegMean keeps the sample-weighted average for a layer whose Gram sum is
+  zero.
 
 The array is stored under the weight's parameter name (``"classifier.0.weight"``), summed
 (not averaged) over samples: per batch in the inputs' precision, over batches in float64;
@@ -19,7 +28,7 @@ shipped as float32, symmetrised.
 Grouped convolutions and non-zero padding modes are refused (their unfolded patches are not
 what the weight multiplies).
 
-Which parameters are Linear/Conv2d weights is a property of the MODULES, not of the shapes:
+Which parameters are linear-map weights is a property of the MODULES, not of the shapes:
 an ``nn.Embedding`` weight is 2-D like a Linear weight, and BatchNorm/LayerNorm parameters
 are 1-D. So the layers are read from the model's module types (:func:`gram_layers`,
 :func:`model_gram_sizes`) wherever the model is at hand: on the client (:func:`layer_grams`)
@@ -43,6 +52,7 @@ Every array present must be symmetric and positive semi-definite up to float32 r
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 
@@ -50,8 +60,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.capture import LinearInputs, LinearMap, linear_maps
 from fedfusion.im2col import patch_rows, unsupported_conv
 from fedfusion.wire import check_array_names
+
+log = logging.getLogger("fedfusion")
 
 #: relative asymmetry ``max|G - G^T| / max diag(G)`` above which a Gram is refused
 SYMMETRY_TOL = 1e-5
@@ -62,32 +75,32 @@ SYMMETRY_TOL = 1e-5
 PSD_TOL = 1e-3
 
 
-def gram_layers(model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
-    """The modules whose weights get a Gram, keyed by the weight's parameter name."""
-    return {f"{name}.weight" if name else "weight": module
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear | nn.Conv2d)}
+def gram_layers(model: nn.Module) -> dict[str, LinearMap]:
+    """The linear maps whose weights get a Gram (:func:`fedfusion.capture.linear_maps`:
+    Linear, Conv2d, the packed in-projection of ``nn.MultiheadAttention``), keyed by the
+    weight's parameter name."""
+    return linear_maps(model)
 
 
-def gram_size(module: nn.Linear | nn.Conv2d) -> int:
-    """Side of the Gram of a Linear (``in_features``) or Conv2d (``in_channels / groups * kh *
-    kw``) layer, + 1 with a bias (the constant input)."""
-    if isinstance(module, nn.Conv2d):
-        size = module.in_channels // module.groups * math.prod(module.kernel_size)
-    else:
-        size = module.in_features
-    return size + (1 if module.bias is not None else 0)
+def gram_size(layer: LinearMap) -> int:
+    """Side of the Gram of a linear map: the columns of its weight's matrix view (Linear
+    ``in_features``, Conv2d ``in_channels / groups * kh * kw``, attention ``embed_dim``), + 1
+    with a bias (the constant input)."""
+    return layer.in_features + (1 if layer.bias is not None else 0)
 
 
 def model_gram_sizes(model: nn.Module) -> dict[str, int]:
-    """Gram side per Linear/Conv2d weight of ``model``, from its module types (works on the
+    """Gram side per linear-map weight of ``model``, from its module types (works on the
     meta device)."""
-    return {name: gram_size(module) for name, module in gram_layers(model).items()}
+    return {name: gram_size(layer) for name, layer in gram_layers(model).items()}
 
 
-def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
+def layer_inputs(module: nn.Module, inputs: torch.Tensor, bias: bool | None = None
+                 ) -> torch.Tensor:
     """The rows the layer's weight multiplies: ``[rows, in (+1 with a bias)]``, in the
-    inputs' dtype."""
+    inputs' dtype: a Conv2d's im2col patches, else the inputs' last dimension (extra leading
+    dimensions, e.g. a sequence's positions, count as more rows). ``bias``: whether to append
+    the constant 1 (default: whether ``module`` has a ``bias``)."""
     if isinstance(module, nn.Conv2d):
         if unsupported_conv(module):
             raise ValueError(f"gram: conv layer {module} (groups / padding mode / string "
@@ -95,7 +108,9 @@ def layer_inputs(module: nn.Linear | nn.Conv2d, inputs: torch.Tensor) -> torch.T
         rows = patch_rows(module, inputs)  # [B L, c*k*k]
     else:
         rows = inputs.reshape(-1, inputs.shape[-1])
-    if module.bias is not None:
+    if bias is None:
+        bias = getattr(module, "bias", None) is not None
+    if bias:
         rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)],
                          dim=1)
     return rows
@@ -118,32 +133,42 @@ def forward_with_hooks(model: nn.Module, x: torch.Tensor, hooks: Mapping[nn.Modu
 @torch.no_grad()
 def layer_grams(model: nn.Module, x: torch.Tensor, batch_size: int = 512
                 ) -> dict[str, np.ndarray]:
-    """Per Linear/Conv2d weight, the Gram of the layer's (unfolded, bias-augmented) inputs
-    summed over all samples of ``x``; float32 arrays keyed by the weight's name."""
+    """Per linear-map weight, the Gram of the layer's (unfolded, bias-augmented) inputs
+    summed over all samples of ``x``; float32 arrays keyed by the weight's name.
+
+    The inputs are captured by :class:`fedfusion.capture.LinearInputs` (attention
+    projections included, PyTorch's fused attention fast path off). A layer no call of which
+    was captured (unused, or read without calling it) gets a zero Gram: RegMean then keeps
+    its sample-weighted average (see :meth:`fedfusion.strategies.regmean.LayerSums.solve`)."""
     layers = gram_layers(model)
     if not layers:
-        raise ValueError("gram: the model has no Linear or Conv2d layer")
+        raise ValueError("gram: the model has no Linear, Conv2d or attention layer")
+    if len(x) == 0:
+        raise ValueError("gram: no samples")
     sums: dict[str, torch.Tensor] = {}
-
-    def hook_for(name: str):  # noqa: ANN202 (a torch forward hook)
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
-                 ) -> None:
-            rows = layer_inputs(module, args[0])  # type: ignore[arg-type]
-            # one batch's sum in the inputs' precision (float32: 2-3x faster than a float64
-            # GEMM, ~1e-6 relative over a batch), the running sum over batches in float64
-            gram = (rows.T @ rows).double()
-            sums[name] = sums[name] + gram if name in sums else gram
-        return hook
-
+    capture = LinearInputs(model, layers)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        forward_with_hooks(model, x, {m: hook_for(n) for n, m in layers.items()}, batch_size)
+        for start in range(0, len(x), batch_size):
+            capture.clear()
+            with capture.active():
+                model(x[start:start + batch_size].to(device))
+            for name, calls in capture.calls.items():
+                layer = layers[name]
+                for call in calls:
+                    rows = layer_inputs(layer.module, call.inputs, layer.bias is not None)
+                    # one batch's sum in the inputs' precision (float32: 2-3x faster than a
+                    # float64 GEMM, ~1e-6 relative over a batch), the running sum in float64
+                    gram = (rows.T @ rows).double()
+                    sums[name] = sums[name] + gram if name in sums else gram
     finally:
         model.train(was_training)
-    missing = sorted(set(layers) - set(sums))
-    if missing:
-        raise ValueError(f"gram: layer(s) {missing} saw no input (empty x or unused layer)")
+    for name in sorted(set(layers) - set(sums)):
+        log.info("gram: no input of %r was captured; a zero Gram (RegMean averages it)", name)
+        size = gram_size(layers[name])
+        sums[name] = torch.zeros(size, size, dtype=torch.float64)
     return {name: (0.5 * (g + g.T)).cpu().numpy().astype(np.float32)
             for name, g in sums.items()}
 

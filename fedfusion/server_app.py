@@ -426,6 +426,12 @@ def print_summary(results: dict[str, Any]) -> None:
         lines.append(f"  cost     {cost['forward_passes']} forward pass(es) per prediction | "
                      f"{cost['rounds']} round(s) | per client {up:.2f} MB up, {down:.2f} MB "
                      "down")
+    blocks = (results.get("strategy_report") or {}).get("curvature_blocks")
+    if blocks:  # which parameter got a Kron / diagonal / dense block
+        lines.append("  blocks   " + " | ".join(
+            f"{kind} {len(names)}" + ("" if kind == "kron" else " (" + ", ".join(names[:3])
+                                      + (", ..." if len(names) > 3 else "") + ")")
+            for kind, names in blocks.items() if names))
     if test:
         lines.append(f"  test     accuracy {100 * test['accuracy']:.2f}%   NLL {test['nll']:.4f}"
                      f"   ECE {test['ece']:.4f}")

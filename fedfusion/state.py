@@ -14,9 +14,11 @@ built from ``model_fn()`` on the meta device (no memory), it maps every ``state_
 its shape (so it is a drop-in ``{name: shape}`` mapping) and says, besides, which names are
 parameters (what curvature covers and what optimisers move) and which are buffers (running
 statistics and counters, governed by each strategy's normalisation-statistics rule), and
-which parameters belong to ``nn.Linear`` / ``nn.Conv2d`` modules (Kronecker-factored curvature
-and Gram matrices apply to those; every other parameterised module, e.g. BatchNorm,
-LayerNorm, GroupNorm, Embedding or a user's own layer, gets a diagonal block).
+which parameters are linear maps of a captured input (``nn.Linear``, ``nn.Conv2d``, the packed
+in-projection of ``nn.MultiheadAttention``: :mod:`fedfusion.capture`; Kronecker-factored
+curvature and Gram matrices apply to those; every other parameter, e.g. of BatchNorm,
+LayerNorm, GroupNorm, Embedding, a learned position ``nn.Parameter`` or a user's own layer,
+gets a diagonal block).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+
+from fedfusion.capture import linear_map_parameters
 
 NumpyDict = dict[str, np.ndarray]
 
@@ -43,8 +47,6 @@ WIRE_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.uint8: np.dtype(np.uint8),
     torch.bool: np.dtype(np.bool_),
 }
-#: modules whose weight (and bias) get Kronecker-factored curvature and a Gram matrix
-KRON_MODULES = (nn.Linear, nn.Conv2d)
 
 
 def wire_dtype(dtype: torch.dtype, name: str = "") -> np.dtype:
@@ -93,8 +95,9 @@ class StateLayout(Mapping[str, tuple[int, ...]]):
     """``{name: shape}`` of a network's ``state_dict``, plus what each entry is.
 
     ``parameters``: names of ``named_parameters()`` (in that order); ``buffers``: the other
-    entries; ``dtypes``: each entry's torch dtype; ``kron``: the parameters owned by an
-    ``nn.Linear`` or ``nn.Conv2d`` (see :data:`KRON_MODULES`); ``owners``: parameter name ->
+    entries; ``dtypes``: each entry's torch dtype; ``kron``: the parameters of the linear maps
+    (``nn.Linear``, ``nn.Conv2d``, the packed in-projection of ``nn.MultiheadAttention``: see
+    :func:`fedfusion.capture.linear_maps`); ``owners``: parameter name ->
     the class name of the module that owns it (for messages)."""
 
     shapes: dict[str, tuple[int, ...]]
@@ -108,13 +111,12 @@ class StateLayout(Mapping[str, tuple[int, ...]]):
         """The layout of ``model`` (any device, the meta device included)."""
         state = model.state_dict()
         parameters = tuple(name for name, _ in model.named_parameters())
-        kron, owners = set(), {}
+        owners = {}
         for module_name, module in model.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
                 full = f"{module_name}.{param_name}" if module_name else param_name
                 owners[full] = type(module).__name__
-                if isinstance(module, KRON_MODULES):
-                    kron.add(full)
+        kron = linear_map_parameters(model)
         return cls({name: tuple(t.shape) for name, t in state.items()},
                    tuple(p for p in parameters if p in state),
                    {name: t.dtype for name, t in state.items()}, frozenset(kron), owners)

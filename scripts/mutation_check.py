@@ -53,6 +53,16 @@ LIBRARY_FEDBENS = ("tests/test_library.py::"
                    "test_fedbens_regmean_and_ams_fuse_a_users_model_through_its_own_client_app")
 
 
+
+
+def transformer_cells(strategy: str, families: Sequence[str] = ("vit", "token_transformer")
+                      ) -> tuple[str, ...]:
+    """The model-matrix cells of ``strategy`` on the zoo's transformers: each must predict
+    otherwise than client 0's model and FedAvg of the same uploads."""
+    return tuple(f"tests/test_model_matrix.py::test_every_strategy_on_the_transformers"
+                 f"[{strategy}-{family}]" for family in families)
+
+
 @dataclass(frozen=True)
 class Target:
     """A strategy (its registry name), the mutants applied to it, the tests that cover it."""
@@ -65,54 +75,62 @@ class Target:
 #: per strategy: the tests that must catch a lazy fusion (brute-force references on tiny
 #: nets, and the real-data comparisons against FedAvg / the ensemble of the same uploads)
 TARGETS: tuple[Target, ...] = (
-    Target("fedbens", ("fedavg", "ensemble"), (
+    Target("fedbens", ("fedavg", "ensemble", "client0"), (
         "tests/test_fedbens.py::test_member_starts_climb_from_every_member_to_a_mode_each",
         "tests/test_fedbens.py::test_fedbens_on_real_fmnist_with_replay_and_client_removal",
-        LIBRARY_FEDBENS)),
-    Target("fedfisher", ("fedavg",), (
+        LIBRARY_FEDBENS, *transformer_cells("fedbens"))),
+    Target("fedfisher", ("fedavg", "client0"), (
         "tests/test_fedfisher.py::test_kron_optimum_is_the_dense_minimiser",
         "tests/test_fedfisher.py::test_diag_optimum_is_the_closed_form_and_fisher_merge",
-        "tests/test_fedfisher.py::test_fedfisher_on_real_fmnist")),
-    Target("fisher-merge", ("fedavg",), (
+        "tests/test_fedfisher.py::test_fedfisher_on_real_fmnist",
+        *transformer_cells("fedfisher"))),
+    Target("fisher-merge", ("fedavg", "client0"), (
         "tests/test_fedfisher.py::test_fisher_merge_matches_an_elementwise_loop",
-        "tests/test_fedfisher.py::test_fisher_merge_on_real_fmnist")),
-    Target("regmean", ("fedavg",), (
+        "tests/test_fedfisher.py::test_fisher_merge_on_real_fmnist",
+        *transformer_cells("fisher-merge"))),
+    Target("regmean", ("fedavg", "client0"), (
         "tests/test_regmean.py::test_alpha_one_is_least_squares_on_the_pooled_inputs",
         "tests/test_regmean.py::test_real_fmnist_federation",
-        "tests/test_library.py::test_plain_python_upload_from_models_and_fuse")),
+        "tests/test_library.py::test_plain_python_upload_from_models_and_fuse",
+        *transformer_cells("regmean"))),
     Target("otfusion", ("fedavg",), (
         "tests/test_otfusion.py::test_a_permuted_copy_fuses_back_exactly",
         "tests/test_otfusion.py::test_clients_from_different_inits_fuse_far_better_than_fedavg",
         "tests/test_otfusion.py::test_real_fmnist_federation_from_a_common_init_is_fedavg")),
-    Target("dense", ("fedavg", "ensemble"), (
+    Target("dense", ("fedavg", "ensemble", "client0"), (
         "tests/test_dense.py::test_distillation_is_deterministic_given_the_seed",
-        "tests/test_dense.py::test_fmnist_federation_beats_the_fedavg_student_it_starts_from")),
+        "tests/test_dense.py::test_fmnist_federation_beats_the_fedavg_student_it_starts_from",
+        *transformer_cells("dense", ("vit",)))),
     Target("co-boosting", ("fedavg", "ensemble", "client0"), (
         "tests/test_co_boosting.py::"
         "test_distillation_is_deterministic_given_the_seed_and_leaves_the_global_rng",
-        "tests/test_co_boosting.py::test_fmnist_federation_beats_the_fedavg_of_the_same_uploads")),
+        "tests/test_co_boosting.py::test_fmnist_federation_beats_the_fedavg_of_the_same_uploads",
+        *transformer_cells("co-boosting", ("vit",)))),
     Target("fens", ("fedavg", "ensemble", "client0"), (
         "tests/test_fens.py::test_federated_rounds_match_brute_force_on_a_tiny_net",
-        "tests/test_fens.py::test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client")),
-    Target("swa", ("fedavg",), (
+        "tests/test_fens.py::test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client",
+        *transformer_cells("fens"))),
+    Target("swa", ("fedavg", "client0"), (
         "tests/test_swa.py::test_hand_built_two_clients_hos",
-        "tests/test_swa.py::test_one_shot_swa_and_its_replay")),
-    Target("ams", ("fedavg", "ensemble"), (
+        "tests/test_swa.py::test_one_shot_swa_and_its_replay", *transformer_cells("swa"))),
+    Target("ams", ("fedavg", "ensemble", "client0"), (
         "tests/test_ams.py::test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax",
         "tests/test_ams.py::test_top_k_matches_a_per_sample_brute_force",
         "tests/test_ams.py::test_cross_architecture_ams_runs_end_to_end",
-        LIBRARY_FEDBENS)),
+        LIBRARY_FEDBENS, *transformer_cells("ams"))),
     Target("pfnm", ("fedavg",), (
         "tests/test_pfnm.py::test_a_model_matched_with_its_permuted_copy_is_the_model",
         "tests/test_pfnm.py::test_pfnm_beats_fedavg_on_hetero_label_fmnist")),
     Target("ensemble", ("fedavg", "client0"), (
         "tests/test_strategies.py::test_ensemble_holds_every_member_of_every_client",
         "tests/test_strategies.py::"
-        "test_replay_reproduces_the_live_result_and_feeds_other_strategies")),
+        "test_replay_reproduces_the_live_result_and_feeds_other_strategies",
+        *transformer_cells("ensemble"))),
     Target("fedavg", ("client0",), (
         "tests/test_strategies.py::test_fedavg_is_the_sample_weighted_mean",
         "tests/test_strategies.py::"
-        "test_replay_reproduces_the_live_result_and_feeds_other_strategies")),
+        "test_replay_reproduces_the_live_result_and_feeds_other_strategies",
+        *transformer_cells("fedavg"))),
     Target("fedprox", ("no-prox",), (
         "tests/test_local_objectives.py::"
         "test_fedprox_mu_zero_is_fedavg_exactly_and_mu_reaches_the_clients",
@@ -221,7 +239,10 @@ def run_tests(tests: Sequence[str], mutant: str | None, report: Path) -> dict[st
     seen: dict[str, list[tuple[str, str]]] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         path = case.get("classname", "").replace(".", "/") + ".py"
-        name = case.get("name", "").split("[")[0]  # a listed test covers all its parameters
+        # a listed test covers all its parameters; one listed with "[params]" only that case
+        name, _, params = case.get("name", "").partition("[")
+        if f"{path}::{name}[{params}" in outcomes:
+            name = f"{name}[{params}"
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             found = case.find(tag)

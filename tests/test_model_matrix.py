@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from fedfusion import client
 from fedfusion.architecture import ModelSpec
+from fedfusion.predictors import Ensemble
 from fedfusion.strategies import STRATEGIES, FedAvg
 from fedfusion.wire import decode_upload, encode_upload
 
@@ -120,3 +121,128 @@ def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploa
     expected_rule = "client" if fuser.keeps_client_models else "recalibrate"
     assert fuser.norm_stats == expected_rule
     assert (fuser.recalibrated_layers > 0) == (has_bn and expected_rule == "recalibrate")
+
+
+# ------------------------------------------------------------------------------ transformers
+#: family -> (zoo model, kwargs, data set, input shape, trainer options): a small vision
+#: transformer on the pooled Fashion-MNIST rows (4 patches of 7x7) and the token transformer
+#: on scikit-learn's digits (64 integer tokens, vocab 17)
+TRANSFORMERS = {
+    "vit": ("vit", {"dim": 16, "heads": 2, "layers": 1, "patch": 7}, "fmnist", INPUT_SHAPE,
+            {"epochs": 6, "lr": 0.05, "optimizer": "sgd"}),
+    "token_transformer": ("token_transformer", {"dim": 16, "heads": 2}, "digits", (64,),
+                          {"epochs": 8, "lr": 1e-2, "optimizer": "adam"}),
+}
+#: transformer cells refused by design (in the constructor, or for OTFusion when it analyses
+#: the graph), with what the message must say
+TRANSFORMER_REFUSED = {
+    **{("pfnm", family): "pfnm matches MLPs only" for family in TRANSFORMERS},
+    ("otfusion", "vit"): "otfusion cannot align method 'flatten'",
+    ("otfusion", "token_transformer"): "otfusion cannot align module 'embed' \\(Embedding\\)",
+    ("dense", "token_transformer"): "token ids",
+    ("co-boosting", "token_transformer"): "token ids",
+}
+#: accuracy floors (chance 0.10): members reach 0.31-0.44 (vit) and 0.17-0.24 (token
+#: transformer, 8 epochs on a third of the classes each)
+TRANSFORMER_FLOOR = {"vit": 0.15, "token_transformer": 0.11}
+
+
+def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int, epochs: int,
+           lr: float, optimizer: str) -> None:
+    if optimizer == "sgd":
+        sgd(model, x, y, epochs=epochs, seed=seed, batch_size=32)
+        return
+    generator = torch.Generator().manual_seed(seed)
+    adam = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(epochs):
+        for batch in torch.randperm(len(y), generator=generator).split(32):
+            adam.zero_grad()
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            adam.step()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def transformer_data(data) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    from test_integer_inputs import split_digits
+
+    return {"fmnist": data, "digits": split_digits()}
+
+
+@pytest.fixture(scope="module")
+def transformer_uploads(transformer_data) -> dict[str, list]:
+    """Per transformer: 3 clients x 1 member (the same seeded init), every section, encoded."""
+    out = {}
+    for family, (name, kwargs, dataset, shape, train) in TRANSFORMERS.items():
+        spec = ModelSpec(name, shape, 10, kwargs)
+        records = []
+        for c in range(3):
+            x, y = transformer_data[dataset][f"client{c}"]
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                model = spec.build()
+            _train(model, x, y, seed=c, **train)
+            upload = client.make_upload([model], x, y, SECTIONS, client_id=c, model_name=name,
+                                        model_kwargs=kwargs)
+            records.append(encode_upload(upload))
+        out[family] = records
+    return out
+
+
+@pytest.mark.parametrize("family", list(TRANSFORMERS))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_on_the_transformers(strategy, family, transformer_data,
+                                            transformer_uploads):
+    """Attention, a learned position Parameter, LayerNorm (and an Embedding over integer
+    tokens) through the wire: Kron curvature with attention blocks, Grams of the attention
+    projections. Each fused cell is above the floor AND predicts otherwise than the two lazy
+    answers of the same uploads, client 0's model(s) and FedAvg (where the strategy is not
+    FedAvg on the server), so a stub returning either fails it."""
+    name, kwargs, dataset, shape, _ = TRANSFORMERS[family]
+    data = transformer_data[dataset]
+    spec = ModelSpec(name, shape, 10, kwargs)
+    cls = STRATEGIES[strategy]
+    if (strategy, family) in TRANSFORMER_REFUSED:
+        with pytest.raises(ValueError, match=TRANSFORMER_REFUSED[strategy, family]) as info:
+            refused = cls(spec, num_clients=3, val=data["val"])
+            refused.fuse_uploads([
+                decode_upload(record, c, refused.context.param_shapes, refused.required_sections)
+                for c, record in enumerate(transformer_uploads[family])])
+        assert "FedAvg" in str(info.value) or "distill='val'" in str(info.value)
+        return
+    fuser = cls(spec, num_clients=3, num_members=1, val=data["val"],
+                **OPTIONS.get(strategy, {}))
+    uploads = [decode_upload(record, c, fuser.context.param_shapes, fuser.required_sections)
+               for c, record in enumerate(transformer_uploads[family])]
+    predictor = fuser.fuse_uploads(uploads)
+    assert fuser.exclusions == []
+    x, y = data["test"]
+    with torch.no_grad():
+        log_probs = predictor(x)
+    assert torch.isfinite(log_probs).all()
+    accuracy = float((log_probs.argmax(1) == y).float().mean())
+    floor = TRANSFORMER_FLOOR[family]
+    assert accuracy >= floor, f"{strategy} on {family}: accuracy {accuracy:.3f} < {floor}"
+    first = min(uploads, key=lambda u: u.client_id)
+    client0 = Ensemble([spec.build(first.weights(m)) for m in range(first.num_members)],
+                       [spec] * first.num_members)
+    fedavg = FedAvg(spec, val=data["val"]).fuse_uploads(uploads)
+    with torch.no_grad():
+        gaps = {lazy: float((answer(x) - log_probs).abs().max())
+                for lazy, answer in (("client0", client0), ("fedavg", fedavg))}
+    report = fuser.report()
+    # FedAvg on the server, or validation kept the FedAvg start the server steps begin from
+    same_as_fedavg = (strategy in FEDAVG_SERVERS
+                      or (strategy in ("dense", "co-boosting")
+                          and report["best"]["iteration"] == 0)
+                      or (strategy == "fedfisher"
+                          and report["best_scores"] == report["trace"][0]["score"]))
+    print(f"{strategy} on {family}: accuracy {accuracy:.3f}, gaps {gaps}")
+    assert gaps["client0"] > 1e-3, (strategy, family, gaps)
+    assert (gaps["fedavg"] < 1e-5) if same_as_fedavg else (gaps["fedavg"] > 1e-3), (
+        strategy, family, gaps)
+    if strategy in ("fedbens", "fedfisher"):  # which parameter got which curvature block
+        blocks = report["curvature_blocks"]
+        assert any(n.endswith("self_attn.in_proj_weight") for n in blocks["kron"])
+        assert "encoder.position" in blocks["diagonal"]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedfusion.curvature.base import Curvature
-from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature
+from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.fit import (
     BACKENDS,
     CURVATURE_CLASSES,
@@ -63,6 +63,27 @@ def curvature_from_arrays(
                                                     check_input=check_input)
 
 
+def curvature_blocks(structure: str, param_shapes: Mapping[str, tuple[int, ...]]
+                     ) -> dict[str, list[str]]:
+    """Which parameter gets which block of the ``structure``'s precision, from the server's
+    layout alone: ``kron``: the linear maps' parameters (Linear, Conv2d, attention
+    in-projections; :func:`fedfusion.capture.linear_maps`) a Kronecker block, every other
+    one a diagonal block; ``diag``: every parameter diagonal; ``diag_full``: the last
+    layer's parameters one dense block, the rest diagonal."""
+    if structure not in CURVATURE_CLASSES:
+        raise ValueError(f"unknown structure {structure!r}; available: {', '.join(STRUCTURES)}")
+    params = list(parameter_shapes(param_shapes))
+    if structure == "kron":
+        kron = kron_parameters(param_shapes)
+        return {"kron": [n for n in params if n in kron],
+                "diagonal": [n for n in params if n not in kron]}
+    if structure == "diag":
+        return {"kron": [], "diagonal": params}
+    last = set(last_layer_names(parameter_shapes(param_shapes)))
+    return {"full": [n for n in params if n in last],
+            "diagonal": [n for n in params if n not in last]}
+
+
 __all__ = [
     "BACKENDS",
     "CURVATURE_CLASSES",
@@ -77,6 +98,7 @@ __all__ = [
     "MixtureObjective",
     "StackedGaussians",
     "StackedKron",
+    "curvature_blocks",
     "curvature_from_arrays",
     "fit_curvature",
     "fit_laplace",

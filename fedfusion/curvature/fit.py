@@ -135,16 +135,24 @@ def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEN
 
 
 def is_hybrid(model: nn.Module) -> bool:
-    """Whether ``model`` has parameters outside ``nn.Linear`` / ``nn.Conv2d`` (BatchNorm,
-    LayerNorm, ...): its Kron curvature is then fitted by :mod:`fedfusion.curvature.hybrid`."""
-    layout = StateLayout.of(model)
-    return bool(set(layout.parameters) - layout.kron)
+    """Whether ``model`` has parameters outside ``nn.Linear`` / ``nn.Conv2d`` modules
+    (BatchNorm, LayerNorm, ``nn.MultiheadAttention``, ...), which laplace-torch's Kron backends
+    do not know: its Kron curvature is then fitted by :mod:`fedfusion.curvature.hybrid`."""
+    return _first_hybrid_module(model) is not None
 
 
-def _first_hybrid_module(model: nn.Module) -> str:
+def _first_hybrid_module(model: nn.Module) -> str | None:
+    """``"<module class> parameter '<name>'"`` of the first parameter outside the Linear /
+    Conv2d modules laplace-torch sees called (an attention's ``out_proj`` is an ``nn.Linear``
+    its attention module never calls), or None."""
     layout = StateLayout.of(model)
-    name = next(n for n in layout.parameters if n not in layout.kron)
-    return f"{layout.owners[name]} parameter {name!r}"
+    attention = [name for name, m in model.named_modules()
+                 if isinstance(m, nn.MultiheadAttention)]
+    for name in layout.parameters:
+        inside = any(name.startswith(f"{prefix}.") or not prefix for prefix in attention)
+        if name not in layout.kron or inside:
+            return f"{layout.owners[name]} parameter {name!r}"
+    return None
 
 
 def _laplace(
@@ -300,6 +308,13 @@ def fit_curvature(
             if matrices is not None:
                 return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var)
         la = fit_laplace(model, x, y, "kron", **common)
+        if len(la.H_facs.kfacs) != len(shapes) and backend == DEFAULT_BACKEND:
+            # laplace-torch drops a layer its forward pass never calls (unused, or its
+            # weight read without calling it): the own fit gives it zero factors or names it
+            log.info("Kron curvature: laplace-torch fitted %d of %d parameters; own fit instead",
+                     len(la.H_facs.kfacs), len(shapes))
+            matrices, _ = hybrid_kron_fit(model, x, seed, batch_size)
+            return KronCurvature.from_kron_matrices(matrices, shapes, temperature, prior_var)
         return kron_from_laplace(la, shapes, temperature, prior_var)
     if diagonal is None:
         diagonal = _fit_diagonal(model, x, y, shapes, common)

@@ -17,7 +17,15 @@ are independent, as at prediction time). Then, summed over the client's ``N`` sa
 * ``nn.Conv2d`` (im2col patches ``p_nl`` at the ``L`` output positions, output gradients
   ``G_n`` ``[out, L]``): ``B = sum_n G_n G_n^T``, ``A = (1 / (N L)) sum_n sum_l p_nl p_nl^T``;
   the bias as above;
-* every other parameter ``theta``: the diagonal of the same Fisher,
+* ``nn.MultiheadAttention`` (one packed projection, self-attention): ``in_proj_weight``
+  ``[3d, d]`` is one linear map of the attention's input ``h`` at every token, so it is a
+  Linear with positions: ``B = sum_n sum_l g_nl g_nl^T`` (``g = dL / d[q; k; v]``),
+  ``A = (1/N) sum_n sum_l h_nl h_nl^T``, ``in_proj_bias`` ``B``; ``out_proj`` likewise with the
+  attention output. The inputs and outputs are captured by :mod:`fedfusion.capture`;
+* a linear map never applied: zero factors (its GGN is zero); one the loss depends on without
+  a captured call: refused, naming it and the ``diag`` structure;
+* every other parameter ``theta`` (LayerNorm, Embedding, a learned position ``nn.Parameter``,
+  a user's layer): the diagonal of the same Fisher,
   ``h = sum_n (d -log p(y~_n | x_n) / d theta)^2``, from per-sample gradients
   (``torch.func.vmap`` over ``torch.func.grad``; a module that cannot be vmapped is
   differentiated one sample at a time, slower but the same numbers).
@@ -30,16 +38,16 @@ next to the Kron ones (``"<param>/ggn_diag"``) and the mixture objective evaluat
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
+from fedfusion.capture import LinearInputs, LinearMap, linear_maps, unfused_attention
 from fedfusion.device import model_device
 from fedfusion.im2col import patch_rows, unsupported_conv
-from fedfusion.state import KRON_MODULES
 
 log = logging.getLogger("fedfusion")
 
@@ -67,33 +75,26 @@ def _gram_over_samples(per_sample: torch.Tensor) -> torch.Tensor:
 def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
                     batch_size: int = 256, kron: bool = True
                     ) -> tuple[Factors, dict[str, torch.Tensor]]:
-    """``({weight or bias of a Linear/Conv2d: (B, A)}, {other parameter: h})`` of ``model``
-    on the inputs ``x``, as described in the module docstring; ``kron=False``: the diagonal
+    """``({weight or bias of a linear map: (B, A)}, {other parameter: h})`` of ``model`` on
+    the inputs ``x``, as described in the module docstring; ``kron=False``: the diagonal
     ``h`` of every parameter (the ``diag`` structure for modules laplace-torch cannot fit).
-    ``model`` is left as it was (mode, parameters, buffers, ``.grad``)."""
+    ``model`` is left as it was (mode, parameters, buffers, ``.grad``).
+
+    A linear map (:func:`fedfusion.capture.linear_maps`) that the forward pass never applies
+    has zero factors (its GGN is exactly zero); one whose parameters the loss depends on
+    although no call of it was captured (see :mod:`fedfusion.capture`) raises a ValueError
+    naming it: its Kron block cannot be formed, and the server expects one."""
     if len(x) == 0:
         raise ValueError("curvature needs at least one sample")
-    modules = {name: m for name, m in model.named_modules()
-               if kron and isinstance(m, KRON_MODULES)}
-    for name, module in modules.items():
-        check_kron_module(name, module)
-    kron_names = {f"{name}.{p}" if name else p
-                  for name, m in modules.items() for p, _ in m.named_parameters(recurse=False)}
-    diag_params = {n: p for n, p in model.named_parameters() if n not in kron_names}
+    maps = linear_maps(model) if kron else {}
+    for lmap in maps.values():
+        if lmap.kind == "conv":
+            check_kron_module(lmap.weight.removesuffix(".weight"), lmap.module)
+    kron_names = {n for m in maps.values() for n in (m.weight, m.bias) if n}
+    params = dict(model.named_parameters())
+    diag_params = {n: p for n, p in params.items() if n not in kron_names}
     sums: dict[str, list[torch.Tensor]] = {}
-    inputs: dict[str, torch.Tensor] = {}
-    outputs: dict[str, torch.Tensor] = {}
-
-    def keep(name: str) -> Callable[..., torch.Tensor]:
-        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
-                 ) -> torch.Tensor:
-            inputs[name] = args[0].detach()
-            outputs[name] = out
-            # the network goes on with a copy: an in-place op after the layer (ReLU(inplace))
-            # must not turn the kept output into another tensor of the graph
-            return out.clone()
-        return hook
-
+    capture = LinearInputs(model, maps, keep_outputs=True)
     # the model's device: ``x`` may stay on the CPU, one batch at a time moves there
     device = model_device(model)
     generator = torch.Generator(device=device)
@@ -101,52 +102,66 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
         generator.manual_seed(seed)
     was_training = model.training
     model.eval()
-    handles = [m.register_forward_hook(keep(n)) for n, m in modules.items()]
     diag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in diag_params.items()}
     try:
         for start in range(0, len(x), batch_size):
             batch = x[start:start + batch_size].to(device)
-            inputs.clear()
-            outputs.clear()
-            with torch.enable_grad():
+            capture.clear()
+            with torch.enable_grad(), capture.active():
                 logits = model(batch)
                 probs = torch.softmax(logits.detach().float(), dim=-1)
                 targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                if modules:
-                    grads = torch.autograd.grad(
-                        F.cross_entropy(logits, targets, reduction="sum"),
-                        [outputs[n] for n in modules if n in outputs], allow_unused=True)
-            if modules:
-                live = [n for n in modules if n in outputs]
-                for name, g in zip(live, grads, strict=True):
-                    if g is not None:
-                        _accumulate(sums, name, modules[name], inputs[name], g.detach())
+                if maps:
+                    _accumulate_batch(sums, maps, capture, params, F.cross_entropy(
+                        logits, targets, reduction="sum"))
             if diag_params:
-                for name, value in _squared_sample_grads(model, diag_params, batch,
-                                                         targets).items():
-                    diag[name] += value.double()
+                with unfused_attention():
+                    for name, value in _squared_sample_grads(model, diag_params, batch,
+                                                             targets).items():
+                        diag[name] += value.double()
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
-    unused = sorted(set(modules) - set(sums))
-    if unused:
-        raise ValueError(f"Kron curvature: layer(s) {unused} saw no input (unused layers); "
-                         "remove them from the model")
     factors: Factors = {}
-    for name, module in modules.items():
+    for name, lmap in maps.items():
+        if name not in sums:  # never applied: the GGN of its parameters is zero
+            log.info("Kron curvature: %r is never applied to an input; zero factors", name)
+            out_dim = params[name].shape[0]
+            sums[name] = [params[name].new_zeros(out_dim, out_dim),
+                          params[name].new_zeros(lmap.in_features, lmap.in_features)]
         b, a = sums[name]
-        prefix = f"{name}." if name else ""
-        factors[f"{prefix}weight"] = (b, a / len(x))
-        if module.bias is not None:
-            factors[f"{prefix}bias"] = (torch.ones(1, 1, dtype=b.dtype, device=b.device),
-                                        b.clone())
+        factors[name] = (b, a / len(x))
+        if lmap.bias is not None:
+            factors[lmap.bias] = (torch.ones(1, 1, dtype=b.dtype, device=b.device), b.clone())
     return factors, {n: h.to(diag_params[n].dtype) for n, h in diag.items()}
+
+
+def _accumulate_batch(sums: dict[str, list[torch.Tensor]], maps: dict[str, LinearMap],
+                      capture: LinearInputs, params: dict[str, nn.Parameter],
+                      loss: torch.Tensor) -> None:
+    """Back-propagate one batch's sampled loss to every captured output and add each call's
+    ``(sum g g^T, sum a a^T [/ L])`` to ``sums``; refuse a linear map the loss depends on
+    whose calls were not captured."""
+    calls = [(name, call) for name, recorded in capture.calls.items() for call in recorded]
+    unseen = [name for name in maps if name not in capture.calls]
+    wrt = [call.output for _, call in calls] + [params[name] for name in unseen]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    for name, g in zip(unseen, grads[len(calls):], strict=True):
+        if g is not None:
+            raise ValueError(
+                f"Kron curvature: the loss depends on {name!r} ({maps[name].kind} map) but no "
+                "call of it could be captured (its weight is read without calling the module, "
+                "or an nn.MultiheadAttention with one packed projection is used for "
+                "cross-attention): it has no Kron block; use hessian_structure='diag' "
+                "(curvature-structure diag) for this model")
+    for (name, call), g in zip(calls, grads[:len(calls)], strict=True):
+        if g is not None:
+            _accumulate(sums, name, maps[name].module, call.inputs, g.detach())
 
 
 def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Module,
                 inputs: torch.Tensor, g: torch.Tensor) -> None:
-    """Add one batch's ``(sum g g^T, sum a a^T [/ L])`` of a Linear/Conv2d to ``sums``."""
+    """Add one call's ``(sum g g^T, sum a a^T [/ L])`` of a linear map to ``sums`` (a Conv2d's
+    patches; a Linear's or an attention projection's rows, positions pooled)."""
     if isinstance(module, nn.Conv2d):
         if inputs.ndim == 3:  # an unbatched [C, H, W] input
             inputs, g = inputs.unsqueeze(0), g.unsqueeze(0)
@@ -175,7 +190,9 @@ def _squared_sample_grads(model: nn.Module, params: dict[str, nn.Parameter], x: 
         return F.cross_entropy(out, ti.unsqueeze(0), reduction="sum")
 
     try:
-        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
+        with warnings.catch_warnings():  # attention kernels have no batching rule (slower)
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
         return {n: (g * g).sum(0) for n, g in per_sample.items()}
     except (RuntimeError, NotImplementedError) as exc:  # an op without a vmap rule
         log.info("hybrid Kron: per-sample gradients one sample at a time (vmap: %s)",

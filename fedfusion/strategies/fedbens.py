@@ -45,6 +45,7 @@ from fedfusion.curvature import (
     STRUCTURES,
     MixtureObjective,
     StackedGaussians,
+    curvature_blocks,
     curvature_from_arrays,
     mixture_log_posterior,
 )
@@ -275,6 +276,8 @@ class FedBEns(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "temperature": self.temperature,
+                "curvature_blocks": curvature_blocks(
+                    self.structure, self.context.model_spec.param_shapes()),
                 # what ran (the requested 0 = "auto" resolved): runs from as many starts,
                 # each run's best iterate a mode, one forward pass per mode
                 "starts": self.start_rule(), "num_starts": self.runs_used,

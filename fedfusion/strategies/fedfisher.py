@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.curvature import StackedGaussians, curvature_from_arrays
+from fedfusion.curvature import StackedGaussians, curvature_blocks, curvature_from_arrays
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.state import weighted_average
@@ -203,6 +203,8 @@ class FedFisher(FusionStrategy):
 
     def report(self) -> dict[str, Any]:
         return {"structure": self.structure, "variant": VARIANTS[self.structure],
+                "curvature_blocks": curvature_blocks(
+                    self.structure, self.context.model_spec.param_shapes()),
                 "damping": self.damping,
                 "selection": "validation" if self.context.val is not None else "objective",
                 **self.optimiser.report()}

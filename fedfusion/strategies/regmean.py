@@ -43,6 +43,11 @@ Details and departures from the reference code (Jin et al.'s and the FedFisher/F
   input pixels with alpha = 1) it adds a tiny ridge ``lam = RIDGE * lambda_max`` pulling
   towards the sample-weighted average W_avg, (S + lam I) W^T = R + lam W_avg^T, so directions
   no client's inputs reach keep the FedAvg weights instead of arbitrary values.
+* Attention: the packed in-projection of ``nn.MultiheadAttention`` (``[W_in | b_in]``,
+  ``[3d, d+1]``) and its ``out_proj`` are linear maps of captured inputs
+  (:mod:`fedfusion.capture`) and are merged like Linear layers; a layer whose Gram sum is
+  zero (no client captured an input of it) keeps the average. ``report()`` lists
+  ``gram_layers`` and the ``averaged`` parameters.
 * Members (M > 1 per client) are merged index by index, as FedAvg does, into an ensemble.
 """
 
@@ -115,16 +120,13 @@ class LayerSums:
         return torch.linalg.solve(lhs + ridge * eye, rhs + ridge * self.average), ridge
 
 
-def as_matrix(weights: dict[str, np.ndarray], name: str, with_bias: bool) -> np.ndarray:
-    """``[W.reshape(out, -1) | b]`` of the layer whose weight is ``name``: ``[out, n]``."""
+def as_matrix(weights: dict[str, np.ndarray], name: str, bias: str | None) -> np.ndarray:
+    """``[W.reshape(out, -1) | b]`` of the layer whose weight is ``name`` and bias ``bias``
+    (None: no bias): ``[out, n]``."""
     w = weights[name].reshape(weights[name].shape[0], -1)
-    if with_bias:
-        w = np.concatenate([w, weights[bias_name(name)][:, None]], axis=1)
+    if bias is not None:
+        w = np.concatenate([w, weights[bias][:, None]], axis=1)
     return w.astype(np.float64)
-
-
-def bias_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "bias"
 
 
 class RegMean(FusionStrategy):
@@ -160,9 +162,8 @@ class RegMean(FusionStrategy):
             with torch.device("meta"):
                 model = self.context.model_spec.build()
             sizes = model_gram_sizes(model)
-            self._layers = {name: (sizes[name], bias_name(name) if module.bias is not None
-                                   else None)
-                            for name, module in gram_layers(model).items()}
+            self._layers = {name: (sizes[name], layer.bias)
+                            for name, layer in gram_layers(model).items()}
         return self._layers
 
     def check_grams(self, upload: ClientUpload) -> None:
@@ -199,13 +200,12 @@ class RegMean(FusionStrategy):
         device, f64 = self.context.device, torch.float64
         sums = {}
         for name, (size, bias) in self.linear_layers().items():
-            with_bias = bias is not None
-            avg = torch.from_numpy(as_matrix(average, name, with_bias).T.copy()).to(device)
+            avg = torch.from_numpy(as_matrix(average, name, bias).T.copy()).to(device)
             layer = LayerSums(torch.zeros(size, size, dtype=f64, device=device),
                               torch.zeros_like(avg), torch.zeros_like(avg), avg, bias)
             for upload in holders:
                 gram = torch.from_numpy(upload.members[member][GRAM][name]).to(device, f64)
-                w_t = torch.from_numpy(as_matrix(upload.weights(member), name, with_bias).T
+                w_t = torch.from_numpy(as_matrix(upload.weights(member), name, bias).T
                                        .copy()).to(device)
                 layer.gram += gram
                 layer.cross += gram @ w_t
@@ -258,8 +258,13 @@ class RegMean(FusionStrategy):
             if best is None or score > best[0]:
                 best = (score, alpha, predictor)
         assert best is not None
+        merged = {n for name, (_, bias) in self.linear_layers().items() for n in (name, bias)}
         self._report = {"alphas": results, "chosen_alpha": best[1],
-                        "selection": "validation" if val is not None else "last value"}
+                        "selection": "validation" if val is not None else "last value",
+                        # the stated rule: Gram-weighted least squares for the linear maps,
+                        # the sample-weighted average for every other state entry
+                        "gram_layers": list(self.linear_layers()),
+                        "averaged": [n for n in spec.param_shapes() if n not in merged]}
         return best[2].cpu()
 
     def report(self) -> dict[str, Any]:
