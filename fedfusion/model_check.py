@@ -9,8 +9,9 @@ training for nothing; :func:`check_model` finds it first, on the untrained model
 1. a **dry forward**, in eval mode and without gradients, on at most :data:`DRY_ROWS` inputs
    of the right dtype (the caller's own: the server's validation inputs, a client's training
    rows; else zeros of the declared input shape, int64 token ids where the model's first
-   layer reads indices, float32 otherwise). It must return finite scores ``[n, K]`` (``K`` =
-   the number of classes where it is known); the first leaf module it calls is recorded;
+   layer reads indices, float32 otherwise). It must return finite scores ``[n, K]``, ``K`` at
+   least the number of classes where it is known; the first leaf module it calls is
+   recorded;
 2. every **requirement** the strategy declares (:data:`REQUIREMENTS`), each a function of the
    model, its architecture's name, the inputs of step 1 and that first module, returning why
    the model fails it (naming the module and the alternative) or None:
@@ -167,8 +168,9 @@ def check_model(
         if not isinstance(out, torch.Tensor) or out.ndim != 2 or len(out) != len(x):
             shown = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             problem = f"returns {shown}, not class scores [{len(x)}, K]"
-        elif num_classes and out.shape[1] != num_classes:
-            problem = f"returns {out.shape[1]} scores per input, not {num_classes} (classes)"
+        elif out.shape[1] < num_classes:  # (a class count read off labels is a lower bound)
+            problem = (f"returns {out.shape[1]} scores per input, fewer than the {num_classes} "
+                       "classes")
         elif not torch.isfinite(out).all():
             problem = "returns NaN or Inf"
         if problem:
