@@ -44,15 +44,14 @@ def first_called(net: nn.Module, x: torch.Tensor) -> tuple[str, nn.Module] | Non
     return called[0] if called else None
 
 
-def integer_reason(x: torch.Tensor | None, first: tuple[str, nn.Module] | None,
-                   where: str = "the validation inputs") -> str | None:
-    """Why a model takes integer (or bool) inputs: ``x`` (its inputs, ``where`` they come
-    from) are not float, or its first layer ``first`` (name, module) reads indices; None
-    when neither says so."""
-    reasons = []
-    if x is not None and not x.is_floating_point():
-        reasons.append(f"its inputs are {x.dtype} ({where})")
+def integer_reason(x: torch.Tensor | None, first: tuple[str, nn.Module] | None) -> str | None:
+    """Why a model takes integer (or bool) inputs: the inputs ``x`` it runs on are not float
+    (with the first module it calls, ``first`` (name, module), where that reads indices);
+    None for float inputs or none known."""
+    if x is None or x.is_floating_point():
+        return None
+    reason = f"its inputs are {x.dtype}"
     if first is not None and isinstance(first[1], INDEX_MODULES):
-        reasons.append(f"its first layer, module {first[0]!r} ({type(first[1]).__name__}), "
-                       "reads integer token ids")
-    return "; ".join(reasons) or None
+        reason += (f" and its first layer, module {first[0]!r} ({type(first[1]).__name__}), "
+                   "reads integer token ids")
+    return reason

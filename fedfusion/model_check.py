@@ -8,8 +8,8 @@ training for nothing; :func:`check_model` finds it first, on the untrained model
 
 1. a **dry forward**, in eval mode and without gradients, on at most :data:`DRY_ROWS` inputs
    of the right dtype (the caller's own: the server's validation inputs, a client's training
-   rows; else zeros of the declared input shape, int64 token ids where the model's first
-   layer reads indices, float32 otherwise). It must return finite scores ``[n, K]``, ``K`` at
+   rows; else zeros of the declared input shape: float32, or int64 token ids where the model
+   runs on those and not on float ones). It must return finite scores ``[n, K]``, ``K`` at
    least the number of classes where it is known; the first leaf module it calls is
    recorded;
 2. every **requirement** the strategy declares (:data:`REQUIREMENTS`), each a function of the
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfusion.inputs import INDEX_MODULES, first_called, integer_reason
+from fedfusion.inputs import first_called, integer_reason
 
 log = logging.getLogger("fedfusion")
 
@@ -61,7 +61,7 @@ class ModelRefused(ValueError):
 
 def _float_inputs(model: nn.Module, name: str, x: torch.Tensor | None,
                   first: tuple[str, nn.Module] | None, strategy: str) -> str | None:
-    reason = integer_reason(x, first, "the inputs checked")
+    reason = integer_reason(x, first)
     if reason is None:
         return None
     return (f"{strategy} cannot fuse model {name!r}: {reason}. {strategy} is data-free: its "
@@ -75,7 +75,7 @@ def _synthetic_distill(model: nn.Module, name: str, x: torch.Tensor | None,
                        first: tuple[str, nn.Module] | None, strategy: str) -> str | None:
     from fedfusion.distillation import NO_SYNTHETIC_REASON
 
-    reason = integer_reason(x, first, "the inputs checked")
+    reason = integer_reason(x, first)
     if reason is None:
         return None
     return (f"{strategy} cannot distil model {name!r}: {reason}; "
@@ -111,14 +111,25 @@ REQUIREMENTS: dict[str, Requirement] = {
 
 
 def dry_inputs(model: nn.Module, input_shape: Sequence[int]) -> torch.Tensor:
-    """Zeros of ``input_shape`` for :data:`DRY_ROWS` rows: int64 (token id 0) where the
-    model's first layer reads indices (``nn.Embedding``), float32 otherwise."""
+    """Zeros of ``input_shape`` for :data:`DRY_ROWS` rows: float32, or int64 (token id 0)
+    where the model runs on those and not on float ones (an ``nn.Embedding`` reading the
+    input; an Embedding of the model's own indices does not count)."""
     device = next(iter(model.parameters()), torch.zeros(0)).device
     probe = torch.zeros(DRY_ROWS, *input_shape, device=device)
-    first = first_called(model, probe)
-    if first is not None and isinstance(first[1], INDEX_MODULES):
-        return probe.long()
-    return probe
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        for x in (probe, probe.long()):
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    model(x)
+            except Exception:  # noqa: BLE001, S112 (the user's forward: try the other dtype)
+                continue
+            return x
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    return probe  # neither runs: the check's forward reports the float one's error
 
 
 def check_model(

@@ -308,3 +308,25 @@ def test_pfnm_and_otfusion_still_fuse_what_they_take():
     mlp = ModelSpec("mlp", (1, 6, 6), 5, {"hidden_layers": 1, "hidden": 8})
     assert PFNM(mlp).model_check["requirements"] == ["mlp"]
     assert OTFusion(mlp).model_check["output_shape"] == [4, 5]
+
+
+class OffsetNet(torch.nn.Module):
+    """Float inputs, and an Embedding of the model's own indices (a learnt offset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = torch.nn.Embedding(1, 10)
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.offset(torch.zeros(len(x), dtype=torch.long))
+
+
+def test_an_embedding_that_does_not_read_the_input_is_no_token_model():
+    """The dtype comes from what the model runs on (float zeros here), not from the first
+    module it calls: DENSE takes it; the token model with the same shape is refused."""
+    fuser = Dense(ModelSpec.from_model_fn(OffsetNet, input_shape=(64,), num_classes=10))
+    assert fuser.model_check["dtype"] == "torch.float32"
+    with pytest.raises(ModelRefused, match=r"its inputs are torch.int64 and its first layer, "
+                                           r"module 'emb' \(Embedding\)"):
+        Dense(ModelSpec.from_model_fn(TokenNet, input_shape=(64,), num_classes=10))
