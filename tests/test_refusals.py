@@ -330,3 +330,18 @@ def test_an_embedding_that_does_not_read_the_input_is_no_token_model():
     with pytest.raises(ModelRefused, match=r"its inputs are torch.int64 and its first layer, "
                                            r"module 'emb' \(Embedding\)"):
         Dense(ModelSpec.from_model_fn(TokenNet, input_shape=(64,), num_classes=10))
+
+
+def test_the_summary_prints_the_norm_rule(capsys, digits, bn_uploads):
+    """results.json's norm_stats is the report's; the printed summary says it."""
+    from fedfusion.server_app import print_summary
+
+    fuser = FedAvg(TokenNet, val=digits["val"])
+    fuser.fuse_uploads(bn_uploads["good"])
+    settings = {"strategy": "fedavg", "num-rounds": 1, "dataset": "digits",
+                "partitioner": "dirichlet", "alpha": 0.5, "num-clients": 3, "seed": 0}
+    print_summary({"settings": settings, "status": "ok", "output_dir": "out",
+                   "norm_stats": fuser.report()["norm_stats"]})
+    assert ("  norm     BatchNorm statistics 'recalibrate' (auto: fedavg's default with a "
+            "validation set to re-estimate them on): 1 of 1 layer(s) re-estimated"
+            in capsys.readouterr().out)
