@@ -5,7 +5,7 @@ upload the strategies expect out. Training stays the user's own::
 
     @app.train()
     def train(msg, context):
-        models = client.initial_models(msg, Net)      # the M models the strategy broadcast
+        models = client.initial_models(msg, Net, x)   # the M models the strategy broadcast
         for model in models:
             my_training_loop(model, x, y)             # any loop, any optimiser
         return client.reply(msg, models, x, y)        # exactly the sections the server asks
@@ -32,6 +32,7 @@ from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.device import DEVICE_METRIC, device_metric, model_device
 from fedfusion.evaluation import LabelledData, as_labelled
+from fedfusion.model_check import DRY_ROWS, check_received
 from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
 from fedfusion.state import load_models
 from fedfusion.strategies.fens import client as fens_client
@@ -64,10 +65,20 @@ def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
             "converts it") from exc
 
 
-def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module]) -> list[nn.Module]:
+def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module],
+                   x: torch.Tensor | None = None) -> list[nn.Module]:
     """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights (the
-    throw-away init draws from a fork of torch's global RNG: the caller's does not advance)."""
-    return load_models(broadcast_states(msg), model_fn, "the server's member")
+    throw-away init draws from a fork of torch's global RNG: the caller's does not advance),
+    checked for the strategy the message names before anything trains
+    (:func:`fedfusion.model_check.check_received`: the strategy's requirements, and with
+    ``x``, a few of the client's inputs, a dry forward on them). A model the strategy cannot
+    fuse raises :class:`~fedfusion.model_check.ModelRefused` naming the module and the
+    alternative."""
+    models = load_models(broadcast_states(msg), model_fn, "the server's member")
+    content = _content(msg)
+    if models and "config" in content:
+        check_received(models[0], content["config"], None if x is None else x[:DRY_ROWS])
+    return models
 
 
 def requested_sections(msg: Message | RecordDict) -> tuple[list[str], list[str]]:

@@ -56,6 +56,7 @@ from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.datasets.local_file import LocalDataError, normalise, read_local_data
 from fedfusion.device import client_device
+from fedfusion.model_check import DRY_ROWS, check_received
 from fedfusion.strategies.fens import HOLDOUT_KEY
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
@@ -256,6 +257,8 @@ def run_client(
             model.to(device)  # before the loss terms, which keep references to its weights
             member_terms.append(loss_terms(model, objective,
                                            previous[m] if m < len(previous) else None, stack))
+        # what the server's strategy cannot fuse is refused before any member trains
+        check_received(models[0], server_config or {}, x[:DRY_ROWS], spec.name)
         # all members in one computation where the model allows it (fedfusion.accel.stacked)
         all_stats = train_members(models, x, y, train_config, seeds, member_terms,
                                   accelerate=settings.accelerate)

@@ -7,7 +7,7 @@ sections (curvature, Gram), the server's validation and test data, evaluation, B
 recalibration, the chance check and ``distill="val"``. Only what GENERATES inputs needs float
 ones: DENSE's and Co-Boosting's generators and ``distill="synthetic"`` make float images and
 cannot make token ids, so they refuse a model of integer inputs before anything trains
-(:func:`integer_inputs` says why).
+(:func:`integer_reason` says why; :mod:`fedfusion.model_check` asks).
 """
 
 from __future__ import annotations
@@ -15,25 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelSpec
-from fedfusion.evaluation import Labelled
-
 #: modules that read integer indices, not values: a model whose first layer is one of them
 #: takes integer inputs (token ids)
 INDEX_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
 
-def first_layer(spec: ModelSpec) -> tuple[str, nn.Module] | None:
-    """The first leaf module ``spec``'s network calls on its input, from a forward on the
-    meta device (no memory, no compute); None when it cannot be told (no input shape known,
-    a network that cannot be built on the meta device)."""
-    if not spec.input_shape:
-        return None
-    try:
-        with torch.device("meta"):
-            net = spec.build()
-    except Exception:  # noqa: BLE001 (a model_fn that cannot build on meta: no answer)
-        return None
+def first_called(net: nn.Module, x: torch.Tensor) -> tuple[str, nn.Module] | None:
+    """The first leaf module ``net`` calls in a forward on ``x`` (without gradients), even
+    where the forward then fails (float zeros into an ``nn.Embedding``); None if none is."""
     leaves = [(name, m) for name, m in net.named_modules() if not list(m.children())]
     called: list[tuple[str, nn.Module]] = []
 
@@ -46,7 +35,7 @@ def first_layer(spec: ModelSpec) -> tuple[str, nn.Module] | None:
     handles = [m.register_forward_pre_hook(record(name)) for name, m in leaves]
     try:
         with torch.no_grad():
-            net(torch.zeros(2, *spec.input_shape, device="meta"))
+            net(x)
     except Exception:  # noqa: BLE001, S110 (float zeros into an Embedding fail AFTER the hook)
         pass
     finally:
@@ -55,16 +44,14 @@ def first_layer(spec: ModelSpec) -> tuple[str, nn.Module] | None:
     return called[0] if called else None
 
 
-def integer_inputs(spec: ModelSpec, val: Labelled | None = None) -> str | None:
-    """Why the model of ``spec`` takes integer (or bool) inputs, or None when it takes float
-    ones (or it cannot be told): the validation inputs' dtype where they are given, else the
-    model's first layer being an ``nn.Embedding`` / ``nn.EmbeddingBag``."""
-    if val is not None and not val.x.is_floating_point():
-        return f"its inputs are {val.x.dtype} (the validation inputs)"
-    if val is not None and len(val):
+def integer_reason(x: torch.Tensor | None, first: tuple[str, nn.Module] | None) -> str | None:
+    """Why a model takes integer (or bool) inputs: the inputs ``x`` it runs on are not float
+    (with the first module it calls, ``first`` (name, module), where that reads indices);
+    None for float inputs or none known."""
+    if x is None or x.is_floating_point():
         return None
-    first = first_layer(spec)
+    reason = f"its inputs are {x.dtype}"
     if first is not None and isinstance(first[1], INDEX_MODULES):
-        return (f"its first layer, module {first[0]!r} ({type(first[1]).__name__}), reads "
-                "integer token ids")
-    return None
+        reason += (f" and its first layer, module {first[0]!r} ({type(first[1]).__name__}), "
+                   "reads integer token ids")
+    return reason

@@ -311,8 +311,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
                             "notes": strategy.screen_notes}
     results["chance"] = strategy.chance
     results["at_chance"] = None if strategy.chance is None else strategy.chance["at_chance"]
-    results["norm_stats"] = {"rule": strategy.norm_stats,
-                             "recalibrated_layers": strategy.recalibrated_layers}
+    # the BatchNorm-statistics rule in force, as in the strategy's report
+    results["norm_stats"] = results["strategy_report"]["norm_stats"]
     train_times = [c["train_time_s"] for c in results["clients"]]
     results["timing"] = {
         "client_train_s_sum": float(np.sum(train_times)),
@@ -450,6 +450,11 @@ def print_summary(results: dict[str, Any]) -> None:
         lines.append(f"  WARNING  the fused model is at chance on the validation data: accuracy "
                      f"{100 * chance['accuracy']:.2f}% <= chance {100 * chance['chance']:.2f}% "
                      f"+ margin {100 * chance['margin']:.2f}%")
+    norm = results.get("norm_stats")
+    if norm:
+        lines.append(f"  norm     BatchNorm statistics {norm['rule']!r} ({norm['reason']}): "
+                     f"{norm['recalibrated_layers']} of {norm['running_stat_layers']} layer(s) "
+                     "re-estimated")
     lines += [f"  capped   {capped_reason(r)}" for r in results.get("capped_claims") or []]
     if "client_train_s_sum" in timing:
         lines.append(f"  time     wall {timing['wall_s']:.1f} s | client training "

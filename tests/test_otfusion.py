@@ -521,21 +521,21 @@ class Untraceable(nn.Module):
         return self.out(F.relu(h) if h.sum() > 0 else h)
 
 
-@pytest.mark.parametrize(("model", "message"), [
-    (GroupedConv, r"module 'grouped' \(Conv2d\): a grouped convolution \(groups=2\)"),
-    (CustomLayer, r"module 'scale' \(Scale\): its forward uses the parameter 'scale.gain'"),
-    (Concat, r"function 'cat' \(node 'cat'\): OTFusion cannot follow the channels"),
-    (GroupNormCNN, r"module 'norm' \(GroupNorm\): OTFusion does not know how to permute"),
-    (Shared, r"module 'fc' \(Linear\): it is called more than once"),
-    (Untraceable, r"Untraceable: torch.fx cannot trace its forward"),
+@pytest.mark.parametrize(("model", "side", "message"), [
+    (GroupedConv, 8, r"module 'grouped' \(Conv2d\): a grouped convolution \(groups=2\)"),
+    (CustomLayer, 8, r"module 'scale' \(Scale\): its forward uses the parameter 'scale.gain'"),
+    (Concat, 8, r"function 'cat' \(node 'cat'\): OTFusion cannot follow the channels"),
+    (GroupNormCNN, 8, r"module 'norm' \(GroupNorm\): OTFusion does not know how to permute"),
+    (Shared, 4, r"module 'fc' \(Linear\): it is called more than once"),
+    (Untraceable, 4, r"Untraceable: torch.fx cannot trace its forward"),
 ])
-def test_what_cannot_be_aligned_is_refused_naming_it(model, message):
-    """At fuse time, the first module/operation it cannot align, and what to use instead."""
-    spec = ModelSpec.from_model_fn(model, input_shape=(3, 4, 4), num_classes=2)
-    uploads = [upload(spec, c, random_state(spec, seed=c)) for c in range(2)]
+def test_what_cannot_be_aligned_is_refused_naming_it(model, side, message):
+    """When the strategy is built (before any client trains: fedfusion.model_check), the
+    first module/operation it cannot align, and what to use instead."""
+    spec = ModelSpec.from_model_fn(model, input_shape=(3, side, side), num_classes=2)
     with pytest.raises(ValueError, match=rf"^otfusion cannot align .*{message}.*"
                                          r"FedAvg \(strategy 'fedavg'\) or the ensemble"):
-        OTFusion(spec, num_clients=2).fuse(uploads)
+        OTFusion(spec, num_clients=2)
 
 
 def test_identical_clients_fuse_to_that_client():

@@ -36,6 +36,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.model_check import REQUIREMENTS_KEY, STRATEGY_KEY
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
 from fedfusion.strategies.client_errors import infrastructure_error, parse_client_error
@@ -230,6 +231,9 @@ class FusionStrategy(Fusion, Strategy):
         config[SECTIONS_KEY] = list(self.required_sections)
         config[MODEL_KEY] = spec.name
         config[MODEL_KWARGS_KEY] = json.dumps(spec.kwargs, sort_keys=True)
+        # the client checks its model against them before it trains (fedfusion.model_check)
+        config[STRATEGY_KEY] = self.name
+        config[REQUIREMENTS_KEY] = list(self.requirements)
         for key, value in self.client_config.items():
             config[key] = value
         optional = [s for s in self.extra_sections if s not in self.required_sections]

@@ -90,9 +90,10 @@ one FMNIST MLP into a random student, ``adv_mask=False`` was the more robust (ag
 real images 83-87% over 3 seeds against 77-90%).
 
 Integer inputs (token ids into an ``nn.Embedding``, bool masks): the generator makes float
-images and cannot make them, so the constructor refuses such a model (the validation inputs'
-dtype, else the model's first layer: :func:`fedfusion.inputs.integer_inputs`) before any
-client trains, naming ``distill='val'`` and other strategies as the alternatives.
+images and cannot make them, so such a model is refused before anything trains (the
+requirement ``"float-inputs"`` of :mod:`fedfusion.model_check`: the constructor on the
+validation inputs' dtype, else the model's first layer; each client on its own inputs before
+its training), naming ``distill='val'`` and other strategies as the alternatives.
 
 Departures from the reference code (zj-jayzhang/DENSE, ``AdvSynthesizer`` + ``kd_train``):
 
@@ -130,7 +131,6 @@ from torch.nn import functional as F
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.evaluation import classification_metrics
-from fedfusion.inputs import integer_inputs
 from fedfusion.normalization import running_stat_layers
 from fedfusion.predictors import Ensemble
 from fedfusion.state import weighted_average
@@ -244,6 +244,8 @@ adv_mask, eval_fraction
     name = "dense"
     member_fusions = ("first", "all")  # teachers: member 0 of each client, or every member
     required_sections = (WEIGHTS,)
+    #: the generator makes the inputs: float ones only (:mod:`fedfusion.model_check`)
+    model_requirements = ("float-inputs",)
 
     def __init__(
         self,
@@ -269,15 +271,6 @@ adv_mask, eval_fraction
         **kwargs: Any,
     ):
         super().__init__(model_fn, **kwargs)
-        reason = integer_inputs(self.context.model_spec, self.context.val)
-        if reason is not None:  # refused here, before any client trains
-            raise ValueError(
-                f"{self.name} cannot fuse model {self.context.model_spec.name!r}: {reason}. "
-                f"{self.name} is data-free: its generator makes float images [C, H, W] and "
-                "cannot make token ids. Distil on the validation inputs instead "
-                "(distill='val' on another strategy, e.g. UniformEnsemble(..., "
-                "distill='val')), or fuse with another strategy such as 'fedbens', "
-                "'ensemble', 'ams' or 'regmean'")
         if stats_term not in STATS_TERMS:
             raise ValueError(f"stats_term {stats_term!r}: choose one of {STATS_TERMS}")
         if student_init not in ("fedavg", "random"):

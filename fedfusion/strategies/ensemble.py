@@ -23,6 +23,8 @@ class UniformEnsemble(FusionStrategy):
     same_architecture = False
     member_fusions = ("all", "first")
     keeps_client_models = True
+    #: each member keeps its own client's BatchNorm statistics, which belong to its weights
+    default_norm_stats = "client"
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         models, specs = [], []

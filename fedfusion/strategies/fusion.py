@@ -5,7 +5,11 @@ predictor: validate each upload against the server's architecture, keep one uplo
 client id, screen the rest against each other (:mod:`fedfusion.strategies.screening`: weight
 norms against the clients' median, claimed example counts capped), :meth:`~Fusion.fuse` them
 (the one method a strategy implements), apply the normalisation-statistics rule
-(:mod:`fedfusion.normalization`), and check the predictor (finite, above chance). Uploads
+(:mod:`fedfusion.normalization`), and check the predictor (finite, above chance: the one
+place every strategy's result is checked and, at chance, warned about). Before any of that,
+the constructor checks the model itself (:mod:`fedfusion.model_check`: a dry forward and the
+strategy's requirements), so a model the strategy cannot fuse is refused before any client
+trains. Uploads
 made without Flower (:func:`fedfusion.client.make_upload`) or cached on disk go through
 :meth:`~Fusion.fuse_uploads`; :class:`~fedfusion.strategies.base.FusionStrategy` adds
 Flower's Message API (broadcast, replies, node identity) on top of the same path.
@@ -14,6 +18,7 @@ Flower's Message API (broadcast, replies, node identity) on top of the same path
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -27,10 +32,10 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.distillation import NO_SYNTHETIC_REASON, DistillOptions, distil
+from fedfusion.distillation import DistillOptions, distil
 from fedfusion.evaluation import Labelled, LabelledData, as_labelled, resolve_device
-from fedfusion.inputs import integer_inputs
-from fedfusion.normalization import NORM_STATS, recalibrate
+from fedfusion.model_check import check_model
+from fedfusion.normalization import NORM_STATS, recalibrate, running_stat_layers
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
 from fedfusion.strategies.screening import capped_reason, chance_check, screen_uploads
@@ -152,9 +157,13 @@ class Fusion(ABC):
     member_fusions: ClassVar[tuple[str, ...]] = ("first", "each")
     #: True where the predictor keeps the client models whole (their own BatchNorm statistics)
     keeps_client_models: ClassVar[bool] = False
-    #: the ``norm_stats`` rule "auto" picks when a validation set is given (benchmarks/
-    #: real_models.py replays FedAvg and FedBEns under both rules)
+    #: the ``norm_stats`` rule "auto" picks: for a fused model with a validation set
+    #: (benchmarks/real_models.py replays FedAvg and FedBEns under both rules), "client"
+    #: where the predictor keeps the client models (whatever the validation set)
     default_norm_stats: ClassVar[str] = "recalibrate"
+    #: what a model must satisfy to be fused by this strategy, by name
+    #: (:data:`fedfusion.model_check.REQUIREMENTS`), checked before anything trains
+    model_requirements: ClassVar[tuple[str, ...]] = ()
 
     #: False where the predictor is finished later than :meth:`fuse` (FENS' aggregator
     #: rounds), which then distils it itself
@@ -166,6 +175,11 @@ class Fusion(ABC):
         super().__init_subclass__(**kwargs)
         if cls.__doc__ and "Parameters\n    ----------" in cls.__doc__:
             cls.__doc__ = cls.__doc__.rstrip() + "\n" + cls.parameters_doc
+        if cls.keeps_client_models != (cls.default_norm_stats == "client"):
+            raise TypeError(f"{cls.__name__}: default_norm_stats must be 'client' exactly where "
+                            "the predictor keeps the client models (keeps_client_models)")
+        if "report" in cls.__dict__:  # every strategy's report says what all of them share
+            cls.report = _with_shared_report(cls.__dict__["report"])  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -208,10 +222,17 @@ class Fusion(ABC):
                or not self.keeps_client_models,
                f"'client' or 'auto' for {type(self).__name__}, whose predictor keeps every "
                "client model with its own statistics")
-        #: the rule in force (``norm_stats`` with "auto" resolved)
+        has_val = val_data is not None and len(val_data) > 0
+        self.norm_stats_requested = norm_stats
+        #: the rule in force (``norm_stats`` with "auto" resolved), and why it is
         self.norm_stats = norm_stats if norm_stats != "auto" else (
-            "client" if self.keeps_client_models else
-            self.default_norm_stats if val_data is not None and len(val_data) else "average")
+            self.default_norm_stats if has_val or self.keeps_client_models else "average")
+        self.norm_stats_reason = (
+            "as requested (norm_stats)" if norm_stats != "auto" else
+            "auto: the predictor keeps every client model with its own statistics"
+            if self.keeps_client_models else
+            f"auto: {self.name}'s default with a validation set to re-estimate them on"
+            if has_val else "auto: no validation set to re-estimate them on")
         #: which members of each upload are fused ("first", "each" or "all")
         self.member_fusion = member_fusion or self.member_fusions[0]
         _check("member_fusion", self.member_fusion, self.member_fusion in self.member_fusions,
@@ -247,11 +268,24 @@ class Fusion(ABC):
         _check("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
                "'none' or 'synthetic' without a validation set ('val' distils on its inputs: "
                "pass val=...)")
-        if distill == "synthetic":
-            reason = integer_inputs(spec, val_data)
-            if reason is not None:  # refused here, before any client trains
-                raise ValueError(f"model {spec.name!r}: {reason}; "
-                                 + NO_SYNTHETIC_REASON.format(dtype="integer"))
+        #: what a model must satisfy for this strategy (:mod:`fedfusion.model_check`): the
+        #: class's requirements and its options'; sent to the clients with every round
+        self.requirements: tuple[str, ...] = (
+            *self.model_requirements, *(("synthetic-distill",) if distill == "synthetic" else ()))
+        # refused here, before any client trains: a dry forward (the validation inputs, else
+        # zeros of the spec's input shape) and the requirements, on a fresh network
+        network = spec.build()
+        #: what the model check ran on (rows, dtype, output shape, requirements)
+        self.model_check = check_model(
+            network, self.requirements, x=val_data.x if has_val else None,
+            input_shape=spec.input_shape, num_classes=spec.num_classes, name=spec.name,
+            strategy=self.name)
+        #: BatchNorm layers with running statistics in the server's network: what
+        #: ``norm_stats`` acts on (0: the rule changes nothing)
+        self.running_stat_layers = len(running_stat_layers(network))
+        log.info("[%s] BatchNorm statistics of the fused model(s): %r (%s); %d layer(s) with "
+                 "running statistics", self.name, self.norm_stats, self.norm_stats_reason,
+                 self.running_stat_layers)
         #: the fused predictor before distillation (None without ``distill``)
         self.distill_teacher: nn.Module | None = None
         #: the last distillation's report (teacher's and student's validation metrics, trace)
@@ -428,8 +462,23 @@ class Fusion(ABC):
         return None
 
     def report(self) -> dict[str, Any]:
-        """Strategy-specific diagnostics saved in results.json (e.g. optimisation traces)."""
-        return {}
+        """Strategy-specific diagnostics saved in results.json (e.g. optimisation traces).
+
+        A subclass's ``report`` is wrapped (``__init_subclass__``) so that every report also
+        holds what all strategies share (:meth:`shared_report`)."""
+        return self.shared_report()
+
+    def shared_report(self) -> dict[str, Any]:
+        """``norm_stats``: the normalisation-statistics rule in force (``rule``), what was
+        asked (``requested``), why (``reason``), the layers it acts on
+        (``running_stat_layers``) and those the last fusion re-estimated
+        (``recalibrated_layers``); ``model_check``: what :mod:`fedfusion.model_check` ran on
+        when the strategy was built."""
+        return {"norm_stats": {"rule": self.norm_stats, "requested": self.norm_stats_requested,
+                               "reason": self.norm_stats_reason,
+                               "running_stat_layers": self.running_stat_layers,
+                               "recalibrated_layers": self.recalibrated_layers},
+                "model_check": self.model_check}
 
     def _declared_shapes(self, model: str, kwargs: dict[str, object]) -> ParamShapes:
         """Shapes of a client's declared architecture, refused before anything is built when
@@ -461,6 +510,15 @@ class Fusion(ABC):
 
 
 Fusion.__doc__ = (Fusion.__doc__ or "").rstrip() + "\n" + FUSION_PARAMETERS
+
+
+def _with_shared_report(report: Callable[[Fusion], dict[str, Any]]
+                        ) -> Callable[[Fusion], dict[str, Any]]:
+    """A subclass's ``report`` followed by :meth:`Fusion.shared_report`."""
+    @functools.wraps(report)
+    def wrapped(self: Fusion) -> dict[str, Any]:
+        return {**report(self), **self.shared_report()}
+    return wrapped
 
 
 def _check(name: str, value: object, ok: bool, expected: str) -> None:

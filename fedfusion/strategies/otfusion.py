@@ -34,13 +34,15 @@ where f_T has its per-channel parameters permuted by T:
 
 A group is never permuted when its channels reach the model's output (the output layer, as
 in the paper) or come from the model's input (a residual block on the raw input). Anything
-else that touches a permutable group is refused at fuse time with a ValueError naming the
+else that touches a permutable group is refused with a ValueError naming the
 first module or operation it cannot align and suggesting FedAvg or the ensemble: grouped
 convolutions, modules with parameters of unknown role (custom layers, GroupNorm, Conv1d, a
 parameter used directly in ``forward``), modules called twice (shared weights), ops that mix
-channels (cat, slicing, softmax, matmul, views other than flattening) and models
+channels (cat, slicing, softmax, matmul, views other than flattening; attention) and models
 ``torch.fx`` cannot trace (data-dependent control flow). Correct refusal beats a wrong
-alignment.
+alignment, and it comes before anything trains: the strategy's constructor, and each client
+before its training, trace the model (:mod:`fedfusion.model_check`, requirement
+``"alignable"``).
 
 Per permutation group g, in the graph order of its first producer (layer by layer for a
 sequential chain), of client model B against the reference A:
@@ -450,11 +452,16 @@ class _GraphAnalysis:
         label = str(target) if method else getattr(target, "__name__", str(target))
         stack = node.meta.get("nn_module_stack")
         inside = ""
+        source = _argument(node, 0, "input", None)
         if stack:
             path, cls = list(stack.values())[-1]
             inside = f" in module {path!r} ({getattr(cls, '__name__', cls)})"
+        elif isinstance(source, fx.Node) and source.op == "call_module":
+            # an op of the model's own forward: name the module whose output it reads
+            inside = (f", on the output of module {source.target!r} "
+                      f"({type(self.modules[str(source.target)]).__name__})")
         where = f"{'method' if method else 'function'} {label!r} (node {node.name!r}{inside})"
-        x = self.tag(_argument(node, 0, "input", None))
+        x = self.tag(source)
         if method and target in SIZE_METHODS or (
                 target is getattr and node.args[1] in SIZE_ATTRIBUTES):
             return None
@@ -747,7 +754,8 @@ class OTFusion(FusionStrategy):
     """Align every client's neurons to the reference client by exact OT, then average.
 
     The permutation groups come from the traced module graph (BatchNorm, LayerNorm and
-    residual connections included); a model with anything else is refused at fuse time.
+    residual connections included); a model with anything else is refused before anything
+    trains (:mod:`fedfusion.model_check`).
 
     Parameters
     ----------
@@ -756,6 +764,7 @@ class OTFusion(FusionStrategy):
     """
 
     name = "otfusion"
+    model_requirements = ("alignable",)
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  mode: str = "weights", **kwargs: Any):

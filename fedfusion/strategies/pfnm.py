@@ -59,9 +59,10 @@ ReLU, after a Flatten; every layer with a bias (as the paper's networks) or ever
 without. Matching permutes hidden neurons, so every parameter must be a neuron's weight or
 bias: no normalisation layers (BatchNorm/LayerNorm carry per-channel parameters and running
 statistics outside that model), no convolutions, no residual connections. Any other
-architecture is refused when the strategy is built, naming the model's first module that is
-not a Linear/ReLU/Flatten layer; such models fuse with FedAvg (``fedavg``),
-AdaptiveModelSelection (``ams``) or the ensemble (``ensemble``) instead.
+architecture is refused before anything trains (when the strategy is built, and on each
+client before its training: :mod:`fedfusion.model_check`, requirement ``"mlp"``), naming the
+model's first module that is not a Linear/ReLU/Flatten layer; such models fuse with FedAvg
+(``fedavg``), AdaptiveModelSelection (``ams``) or the ensemble (``ensemble``) instead.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
@@ -107,24 +107,24 @@ def first_non_mlp_module(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def not_an_mlp(spec: ModelSpec) -> str:
-    """Why ``spec`` is no model PFNM can match: what PFNM takes, the first module that is not
-    an MLP layer, and the alternatives."""
-    try:
-        with torch.device("meta"):
-            found = first_non_mlp_module(spec.build())
-    except Exception as exc:  # a model that cannot be built here: say so, name nothing
-        return f"{TAKES}; the model {spec.name!r} could not be inspected ({exc}); {ALTERNATIVES}"
+def not_an_mlp(model: nn.Module, name: str) -> str | None:
+    """Why the network ``model`` (architecture ``name``) is no model PFNM can match: what PFNM
+    takes, the first module that is not an MLP layer, and the alternatives; None for the
+    zoo's ``mlp`` (the one PFNM builds its wider fused model as). Run on every model by
+    :func:`fedfusion.model_check.check_model` (requirement ``"mlp"``)."""
+    if name == "mlp":
+        return None
+    found = first_non_mlp_module(model)
     if found is None:
         what = ("its modules are Linear/ReLU/Flatten layers, but pfnm builds the fused (wider) "
                 "model as fedfusion's zoo MLP: give the strategy ModelSpec('mlp', input_shape, "
                 "num_classes, {'hidden_layers': ..., 'hidden': ..., 'bias': ...})")
     else:
-        name, module = found
-        where = f"module {name!r}" if name else "the model itself"
+        module_name, module = found
+        where = f"module {module_name!r}" if module_name else "the model itself"
         what = (f"its first module that is not a Linear/ReLU layer is {where} "
                 f"({type(module).__name__})")
-    return f"{TAKES}; the model {spec.name!r} is not one: {what}; {ALTERNATIVES}"
+    return f"{TAKES}; the model {name!r} is not one: {what}; {ALTERNATIVES}"
 
 
 @dataclass
@@ -285,14 +285,13 @@ class PFNM(FusionStrategy):
     """
 
     name = "pfnm"
+    model_requirements = ("mlp",)
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  sigma: float = 1.0, sigma0: float = 1.0,
                  gamma: float = 1.0, iters: int = 5, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         context = self.context
-        if context.model_spec.name != "mlp":
-            raise ValueError(not_an_mlp(context.model_spec))
         if min(sigma, sigma0, gamma) <= 0 or iters < 0:
             raise ValueError("pfnm needs sigma, sigma0, gamma > 0 and iters >= 0")
         self.sigma, self.sigma0, self.gamma, self.iters = sigma, sigma0, gamma, iters

@@ -16,7 +16,7 @@ def train_members(msg: Message, context: Context) -> Message:
     config = context.run_config
     x, y = client_data(partition, int(context.node_config["num-partitions"]),
                        float(config["alpha"]), int(config["seed"]))
-    models = client.initial_models(msg, model_fn(config))  # fedfusion glue 1/2
+    models = client.initial_models(msg, model_fn(config), x)  # fedfusion glue 1/2
     for m, model in enumerate(models):
         train(model, x, y, int(config["local-epochs"]), seed=1000 * partition + m)
     return client.reply(msg, models, x, y, client_id=partition)  # fedfusion glue 2/2

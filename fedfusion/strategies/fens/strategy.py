@@ -103,6 +103,7 @@ class FENS(FusionStrategy):
     name = "fens"
     member_fusions = ("all", "first")
     keeps_client_models = True
+    default_norm_stats = "client"  # the base models keep their clients' statistics
     distils_after_fuse = False  # the predictor is finished by the aggregator rounds
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
