@@ -22,6 +22,13 @@ are independent, as at prediction time). Then, summed over the client's ``N`` sa
   (``torch.func.vmap`` over ``torch.func.grad``; a module that cannot be vmapped is
   differentiated one sample at a time, slower but the same numbers).
 
+Memory: the data go through the network in passes of at most ``batch_size`` rows, and
+fewer where one pass would hold more than :data:`PASS_BYTES` of activations (the rows per
+pass from one row's module outputs, :func:`pass_rows`): the fit's memory is bounded by that
+pass, whatever ``N``. Every quantity above is a sum over rows and the labels are drawn row
+after row from one generator (CPU ``torch.multinomial`` draws one uniform per row), so the
+factors do not depend on the pass size beyond float rounding.
+
 So for a network of Linear/Conv2d layers only this is the MC K-FAC of ``asdl_mc`` (other
 random draws); :class:`~fedfusion.curvature.kron.KronCurvature` stores the diagonal blocks
 next to the Kron ones (``"<param>/ggn_diag"``) and the mixture objective evaluates both.
@@ -43,6 +50,11 @@ from fedfusion.state import KRON_MODULES
 log = logging.getLogger("fedfusion")
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+#: the activations one pass of :func:`hybrid_kron_fit` may produce (the module outputs of its
+#: rows); autograd keeps tensors of that order for the backward and the per-sample gradients
+#: of the diagonal blocks as many again
+PASS_BYTES = 48 << 20
 
 
 def check_kron_module(name: str, module: nn.Module) -> None:
@@ -80,51 +92,22 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
                   for name, m in modules.items() for p, _ in m.named_parameters(recurse=False)}
     diag_params = {n: p for n, p in model.named_parameters() if n not in kron_names}
     sums: dict[str, list[torch.Tensor]] = {}
-    inputs: dict[str, torch.Tensor] = {}
-    outputs: dict[str, torch.Tensor] = {}
-
-    def keep(name: str) -> Callable[..., torch.Tensor]:
-        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
-                 ) -> torch.Tensor:
-            inputs[name] = args[0].detach()
-            outputs[name] = out
-            # the network goes on with a copy: an in-place op after the layer (ReLU(inplace))
-            # must not turn the kept output into another tensor of the graph
-            return out.clone()
-        return hook
-
+    rows = pass_rows(model, x, batch_size)
     generator = torch.Generator(device=x.device)
     if seed is not None:
         generator.manual_seed(seed)
     was_training = model.training
     model.eval()
-    handles = [m.register_forward_hook(keep(n)) for n, m in modules.items()]
     diag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in diag_params.items()}
     try:
-        for start in range(0, len(x), batch_size):
-            batch = x[start:start + batch_size]
-            inputs.clear()
-            outputs.clear()
-            with torch.enable_grad():
-                logits = model(batch)
-                probs = torch.softmax(logits.detach().float(), dim=-1)
-                targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                if modules:
-                    grads = torch.autograd.grad(
-                        F.cross_entropy(logits, targets, reduction="sum"),
-                        [outputs[n] for n in modules if n in outputs], allow_unused=True)
-            if modules:
-                live = [n for n in modules if n in outputs]
-                for name, g in zip(live, grads, strict=True):
-                    if g is not None:
-                        _accumulate(sums, name, modules[name], inputs[name], g.detach())
+        for start in range(0, len(x), rows):
+            batch = x[start:start + rows]
+            targets = _kron_pass(model, modules, batch, generator, sums)
             if diag_params:
                 for name, value in _squared_sample_grads(model, diag_params, batch,
                                                          targets).items():
                     diag[name] += value.double()
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
     unused = sorted(set(modules) - set(sums))
     if unused:
@@ -139,6 +122,74 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
             factors[f"{prefix}bias"] = (torch.ones(1, 1, dtype=b.dtype, device=b.device),
                                         b.clone())
     return factors, {n: h.to(diag_params[n].dtype) for n, h in diag.items()}
+
+
+@torch.no_grad()
+def pass_rows(model: nn.Module, x: torch.Tensor, batch_size: int,
+              budget: int = PASS_BYTES) -> int:
+    """Rows per pass of :func:`hybrid_kron_fit`: ``batch_size``, or fewer so that the
+    outputs of every module (leaves and containers alike, as the hooks and autograd see
+    them) for one pass stay within ``budget`` bytes, from a forward pass of ``x``'s first
+    row; at least 1."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sizes: list[int] = []
+
+    def count(_module: nn.Module, _args: tuple[torch.Tensor, ...], out: object) -> None:
+        if isinstance(out, torch.Tensor):
+            sizes.append(out.numel() * out.element_size())
+
+    handles = [m.register_forward_hook(count) for m in model.modules()]
+    was_training = model.training
+    model.eval()
+    try:
+        model(x[:1])
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return max(1, min(batch_size, budget // max(1, sum(sizes))))
+
+
+def _kron_pass(model: nn.Module, modules: dict[str, nn.Module], batch: torch.Tensor,
+               generator: torch.Generator, sums: dict[str, list[torch.Tensor]]
+               ) -> torch.Tensor:
+    """One forward and backward pass of ``batch``: the sampled labels ``y~`` (one per row,
+    drawn from the model's predictive), and each Linear/Conv2d layer's ``(sum g g^T,
+    sum a a^T)`` of the batch added to ``sums``. The layers' inputs and outputs are captured
+    by forward hooks attached for this pass only (so no other pass, such as the per-sample
+    gradients' ``vmap``, leaves its tensors in them), and every captured tensor is dropped
+    before returning: nothing of the batch outlives its pass."""
+    inputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., torch.Tensor]:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+                 ) -> torch.Tensor:
+            inputs[name] = args[0].detach()
+            outputs[name] = out
+            # the network goes on with a copy: an in-place op after the layer (ReLU(inplace))
+            # must not turn the kept output into another tensor of the graph
+            return out.clone()
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in modules.items()]
+    try:
+        with torch.enable_grad():
+            logits = model(batch)
+            probs = torch.softmax(logits.detach().float(), dim=-1)
+            targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            live = [n for n in modules if n in outputs]
+            if live:
+                grads = torch.autograd.grad(F.cross_entropy(logits, targets, reduction="sum"),
+                                            [outputs[n] for n in live], allow_unused=True)
+                for name, g in zip(live, grads, strict=True):
+                    if g is not None:
+                        _accumulate(sums, name, modules[name], inputs[name], g.detach())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return targets
 
 
 def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Module,
@@ -172,8 +223,12 @@ def _squared_sample_grads(model: nn.Module, params: dict[str, nn.Parameter], x: 
         return F.cross_entropy(out, ti.unsqueeze(0), reduction="sum")
 
     try:
-        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
-        return {n: (g * g).sum(0) for n, g in per_sample.items()}
+        # no_grad outside the transform: ``grad`` still differentiates, but its results do
+        # not record a graph back to the model's other parameters (which require grad), a
+        # graph that would keep the batch's activations alive in every sum they enter
+        with torch.no_grad():
+            per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
+            return {n: (g * g).sum(0) for n, g in per_sample.items()}
     except (RuntimeError, NotImplementedError) as exc:  # an op without a vmap rule
         log.info("hybrid Kron: per-sample gradients one sample at a time (vmap: %s)",
                  str(exc).splitlines()[0][:120])
