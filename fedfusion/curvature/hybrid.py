@@ -125,14 +125,9 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
 
 
 @torch.no_grad()
-def pass_rows(model: nn.Module, x: torch.Tensor, batch_size: int,
-              budget: int = PASS_BYTES) -> int:
-    """Rows per pass of :func:`hybrid_kron_fit`: ``batch_size``, or fewer so that the
-    outputs of every module (leaves and containers alike, as the hooks and autograd see
-    them) for one pass stay within ``budget`` bytes, from a forward pass of ``x``'s first
-    row; at least 1."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+def row_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of every module's output (leaves and containers alike, as hooks and autograd
+    see them) for one row: a forward pass of ``x``'s first row in eval mode."""
     sizes: list[int] = []
 
     def count(_module: nn.Module, _args: tuple[torch.Tensor, ...], out: object) -> None:
@@ -148,7 +143,18 @@ def pass_rows(model: nn.Module, x: torch.Tensor, batch_size: int,
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return max(1, min(batch_size, budget // max(1, sum(sizes))))
+    return sum(sizes)
+
+
+def pass_rows(model: nn.Module, x: torch.Tensor, batch_size: int,
+              budget: int | None = None) -> int:
+    """Rows per pass of :func:`hybrid_kron_fit`: ``batch_size``, or fewer so that one
+    pass's module outputs (:func:`row_bytes` per row) stay within ``budget`` bytes (default
+    :data:`PASS_BYTES`, read at call time); at least 1."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    budget = PASS_BYTES if budget is None else budget
+    return max(1, min(batch_size, budget // max(1, row_bytes(model, x))))
 
 
 def _kron_pass(model: nn.Module, modules: dict[str, nn.Module], batch: torch.Tensor,
