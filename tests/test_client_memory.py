@@ -38,13 +38,15 @@ def _same_fit(first: tuple, second: tuple) -> bool:
 @pytest.mark.parametrize("net", [BNNet, LNNet, CustomNet])
 def test_the_fit_in_passes_equals_the_fit_in_one_pass_over_the_whole_data(net, monkeypatch):
     """Whole data in one pass (batch = N, no byte budget) against passes of 5 rows (the
-    batch size) and of 2 rows (the byte budget): the same factors and diagonal blocks to
-    float rounding (the labels are drawn row after row from one generator)."""
+    batch size) and of 2 rows (the byte budget, conv patches per sample): the same factors
+    and diagonal blocks to float rounding (the labels are drawn row after row from one
+    generator)."""
     model, x = _model_and_data(net)
     monkeypatch.setattr(hybrid, "PASS_BYTES", 1 << 40)
     whole = hybrid_kron_fit(model, x, seed=4, batch_size=len(x))
     assert _same_fit(whole, hybrid_kron_fit(model, x, seed=4, batch_size=5))
     monkeypatch.setattr(hybrid, "PASS_BYTES", 2 * row_bytes(model, x) + 1)
+    monkeypatch.setattr(hybrid, "PATCH_BYTES", 1)  # and im2col patches one sample at a time
     assert pass_rows(model, x, 256) == 2
     assert _same_fit(whole, hybrid_kron_fit(model, x, seed=4, batch_size=256))
     # other labels (another seed) give another fit: the comparison can fail

@@ -25,7 +25,8 @@ are independent, as at prediction time). Then, summed over the client's ``N`` sa
 Memory: the data go through the network in passes of at most ``batch_size`` rows, and
 fewer where one pass would hold more than :data:`PASS_BYTES` of activations (the rows per
 pass from one row's module outputs, :func:`pass_rows`): the fit's memory is bounded by that
-pass, whatever ``N``. Every quantity above is a sum over rows and the labels are drawn row
+pass, whatever ``N`` (a convolution's im2col patches, ``k*k`` times its input, are built
+:data:`PATCH_BYTES` at a time). Every quantity above is a sum over rows and the labels are drawn row
 after row from one generator (CPU ``torch.multinomial`` draws one uniform per row), so the
 factors do not depend on the pass size beyond float rounding.
 
@@ -55,6 +56,8 @@ Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 #: rows); autograd keeps tensors of that order for the backward and the per-sample gradients
 #: of the diagonal blocks as many again
 PASS_BYTES = 48 << 20
+#: the im2col patches of a convolution's input built at once for its input factor ``A``
+PATCH_BYTES = 16 << 20
 
 
 def check_kron_module(name: str, module: nn.Module) -> None:
@@ -198,6 +201,12 @@ def _kron_pass(model: nn.Module, modules: dict[str, nn.Module], batch: torch.Ten
     return targets
 
 
+def _patch_gram(module: nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
+    """``sum p p^T`` of the im2col patches of ``inputs`` (:func:`patch_rows`)."""
+    rows = patch_rows(module, inputs)  # [B L, K]
+    return rows.T @ rows
+
+
 def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Module,
                 inputs: torch.Tensor, g: torch.Tensor) -> None:
     """Add one batch's ``(sum g g^T, sum a a^T [/ L])`` of a Linear/Conv2d to ``sums``."""
@@ -205,8 +214,12 @@ def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Modul
         if inputs.ndim == 3:  # an unbatched [C, H, W] input
             inputs, g = inputs.unsqueeze(0), g.unsqueeze(0)
         b = _gram_over_samples(g.reshape(g.shape[0], g.shape[1], -1))  # g: [B, O, Ho, Wo]
-        rows = patch_rows(module, inputs)  # [B L, K]
-        a = (rows.T @ rows) / (g.shape[2] * g.shape[3])
+        # the im2col patches are k*k times the layer's input: built a few samples at a time
+        positions = g.shape[2] * g.shape[3]
+        sample_bytes = positions * module.weight[0].numel() * inputs.element_size()
+        step = max(1, PATCH_BYTES // sample_bytes)
+        a = sum(_patch_gram(module, inputs[i:i + step]) for i in range(0, len(inputs), step))
+        a = a / positions
     else:
         g2, a2 = g.reshape(-1, g.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
         b, a = g2.T @ g2, a2.T @ a2
