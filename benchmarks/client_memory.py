@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only the cases of these models")
+    parser.add_argument("--sections", nargs="*", default=None, choices=sorted(SECTIONS),
+                        help="run only the cases of these sections")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.case:
@@ -136,6 +138,8 @@ def main() -> None:
     rows = []
     for case in cases(args.quick):
         if args.only is not None and case[0] not in args.only:
+            continue
+        if args.sections is not None and case[2] not in args.sections:
             continue
         rows.append(spawn(*case))
         print(json.dumps(rows[-1]), flush=True)
