@@ -30,6 +30,14 @@ are independent, as at prediction time). Then, summed over the client's ``N`` sa
   (``torch.func.vmap`` over ``torch.func.grad``; a module that cannot be vmapped is
   differentiated one sample at a time, slower but the same numbers).
 
+Memory: the data go through the network in passes of at most ``batch_size`` rows, and
+fewer where one pass would hold more than :data:`PASS_BYTES` of activations (the rows per
+pass from one row's module outputs, :func:`pass_rows`): the fit's memory is bounded by that
+pass, whatever ``N`` (a convolution's im2col patches, ``k*k`` times its input, are built
+:data:`PATCH_BYTES` at a time). Every quantity above is a sum over rows and the labels are drawn row
+after row from one generator (CPU ``torch.multinomial`` draws one uniform per row), so the
+factors do not depend on the pass size beyond float rounding.
+
 So for a network of Linear/Conv2d layers only this is the MC K-FAC of ``asdl_mc`` (other
 random draws); :class:`~fedfusion.curvature.kron.KronCurvature` stores the diagonal blocks
 next to the Kron ones (``"<param>/ggn_diag"``) and the mixture objective evaluates both.
@@ -52,6 +60,13 @@ from fedfusion.im2col import patch_rows, unsupported_conv
 log = logging.getLogger("fedfusion")
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+#: the activations one pass of :func:`hybrid_kron_fit` may produce (the module outputs of its
+#: rows); autograd keeps tensors of that order for the backward and the per-sample gradients
+#: of the diagonal blocks as many again
+PASS_BYTES = 48 << 20
+#: the im2col patches of a convolution's input built at once for its input factor ``A``
+PATCH_BYTES = 16 << 20
 
 
 def check_kron_module(name: str, module: nn.Module) -> None:
@@ -97,6 +112,7 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
     capture = LinearInputs(model, maps, keep_outputs=True)
     # the model's device: ``x`` may stay on the CPU, one batch at a time moves there
     device = model_device(model)
+    rows = pass_rows(model, x, batch_size)
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
@@ -104,16 +120,9 @@ def hybrid_kron_fit(model: nn.Module, x: torch.Tensor, seed: int | None = 0,
     model.eval()
     diag = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in diag_params.items()}
     try:
-        for start in range(0, len(x), batch_size):
-            batch = x[start:start + batch_size].to(device)
-            capture.clear()
-            with torch.enable_grad(), capture.active():
-                logits = model(batch)
-                probs = torch.softmax(logits.detach().float(), dim=-1)
-                targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                if maps:
-                    _accumulate_batch(sums, maps, capture, params, F.cross_entropy(
-                        logits, targets, reduction="sum"))
+        for start in range(0, len(x), rows):
+            batch = x[start:start + rows].to(device)
+            targets = _kron_pass(model, maps, capture, params, batch, generator, sums)
             if diag_params:
                 with unfused_attention():
                     for name, value in _squared_sample_grads(model, diag_params, batch,
@@ -158,6 +167,68 @@ def _accumulate_batch(sums: dict[str, list[torch.Tensor]], maps: dict[str, Linea
             _accumulate(sums, name, maps[name].module, call.inputs, g.detach())
 
 
+@torch.no_grad()
+def row_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of every module's output (leaves and containers alike, as hooks and autograd
+    see them) for one row: a forward pass of ``x``'s first row in eval mode."""
+    sizes: list[int] = []
+
+    def count(_module: nn.Module, _args: tuple[torch.Tensor, ...], out: object) -> None:
+        if isinstance(out, torch.Tensor):
+            sizes.append(out.numel() * out.element_size())
+
+    handles = [m.register_forward_hook(count) for m in model.modules()]
+    was_training = model.training
+    model.eval()
+    try:
+        model(x[:1].to(model_device(model)))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return sum(sizes)
+
+
+def pass_rows(model: nn.Module, x: torch.Tensor, batch_size: int,
+              budget: int | None = None) -> int:
+    """Rows per pass of :func:`hybrid_kron_fit`: ``batch_size``, or fewer so that one
+    pass's module outputs (:func:`row_bytes` per row) stay within ``budget`` bytes (default
+    :data:`PASS_BYTES`, read at call time); at least 1."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    budget = PASS_BYTES if budget is None else budget
+    return max(1, min(batch_size, budget // max(1, row_bytes(model, x))))
+
+
+def _kron_pass(model: nn.Module, maps: dict[str, LinearMap], capture: LinearInputs,
+               params: dict[str, nn.Parameter], batch: torch.Tensor,
+               generator: torch.Generator, sums: dict[str, list[torch.Tensor]]
+               ) -> torch.Tensor:
+    """One forward and backward pass of ``batch``: the sampled labels ``y~`` (one per row,
+    drawn from the model's predictive), and each linear map's ``(sum g g^T, sum a a^T)`` of
+    the batch added to ``sums``. ``capture``'s hooks are attached for this pass only (so no
+    other pass, such as the per-sample gradients' ``vmap``, leaves its tensors in them) and
+    what they captured is dropped before returning: nothing of the batch outlives its pass."""
+    capture.clear()
+    try:
+        with torch.enable_grad(), capture.active():
+            logits = model(batch)
+            probs = torch.softmax(logits.detach().float(), dim=-1)
+            targets = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            if maps:
+                _accumulate_batch(sums, maps, capture, params, F.cross_entropy(
+                    logits, targets, reduction="sum"))
+    finally:
+        capture.clear()
+    return targets
+
+
+def _patch_gram(module: nn.Conv2d, inputs: torch.Tensor) -> torch.Tensor:
+    """``sum p p^T`` of the im2col patches of ``inputs`` (:func:`patch_rows`)."""
+    rows = patch_rows(module, inputs)  # [B L, K]
+    return rows.T @ rows
+
+
 def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Module,
                 inputs: torch.Tensor, g: torch.Tensor) -> None:
     """Add one call's ``(sum g g^T, sum a a^T [/ L])`` of a linear map to ``sums`` (a Conv2d's
@@ -166,8 +237,12 @@ def _accumulate(sums: dict[str, list[torch.Tensor]], name: str, module: nn.Modul
         if inputs.ndim == 3:  # an unbatched [C, H, W] input
             inputs, g = inputs.unsqueeze(0), g.unsqueeze(0)
         b = _gram_over_samples(g.reshape(g.shape[0], g.shape[1], -1))  # g: [B, O, Ho, Wo]
-        rows = patch_rows(module, inputs)  # [B L, K]
-        a = (rows.T @ rows) / (g.shape[2] * g.shape[3])
+        # the im2col patches are k*k times the layer's input: built a few samples at a time
+        positions = g.shape[2] * g.shape[3]
+        sample_bytes = positions * module.weight[0].numel() * inputs.element_size()
+        step = max(1, PATCH_BYTES // sample_bytes)
+        a = sum(_patch_gram(module, inputs[i:i + step]) for i in range(0, len(inputs), step))
+        a = a / positions
     else:
         g2, a2 = g.reshape(-1, g.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
         b, a = g2.T @ g2, a2.T @ a2
@@ -192,8 +267,12 @@ def _squared_sample_grads(model: nn.Module, params: dict[str, nn.Parameter], x: 
     try:
         with warnings.catch_warnings():  # attention kernels have no batching rule (slower)
             warnings.filterwarnings("ignore", message="There is a performance drop")
-            per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
-        return {n: (g * g).sum(0) for n, g in per_sample.items()}
+            # no_grad outside the transform: ``grad`` still differentiates, but its results
+            # do not record a graph back to the model's other parameters (which require
+            # grad), a graph that would keep the batch's activations alive in every sum
+            with torch.no_grad():
+                per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(detached, x, targets)
+                return {n: (g * g).sum(0) for n, g in per_sample.items()}
     except (RuntimeError, NotImplementedError) as exc:  # an op without a vmap rule
         log.info("hybrid Kron: per-sample gradients one sample at a time (vmap: %s)",
                  str(exc).splitlines()[0][:120])
