@@ -19,11 +19,13 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import SmallCNN, label_skewed_fmnist, sgd
+from conftest import InProcessGrid, SmallCNN, label_skewed_fmnist, sgd
+from flwr.app import Array, Message
 from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.server_app import run_server
 from fedfusion.state import weighted_average
 from fedfusion.strategies import (
     FedAvg,
@@ -44,6 +46,7 @@ from fedfusion.strategies.screening import (
     section_scales,
 )
 from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, ClientUpload
+from fedfusion.wire.format import member_key
 
 HOSTILE = 3  # the hostile client's id; 0, 1, 2 are honest
 SECTIONS = ("weights", "curvature.kron", "curvature.diag", "gram")
@@ -99,8 +102,9 @@ def at_the_cap(data: dict, section: str) -> ClientUpload:
         arrays = {}
         for key, array in member[section].items():
             if section == "gram":
-                arrays[key] = (array.astype(np.float64) * (MAX_ABS_GRAM / np.abs(array).max())
-                               ).astype(np.float32)
+                # 1 - 1e-6 below the cap: float32 rounding must not lift it above
+                scale = MAX_ABS_GRAM * (1 - 1e-6) / np.abs(array).max()
+                arrays[key] = (array.astype(np.float64) * scale).astype(np.float32)
             elif key.endswith(("/eigvals_out", "/eigvals_in", "/ggn_diag")):
                 arrays[key] = np.full_like(array, MAX_ABS_CURVATURE)
             else:
@@ -373,3 +377,36 @@ def test_the_knobs_are_checked_and_their_defaults_are_the_run_configs():
     with pytest.raises(ConfigError, match="run-config 'curvature-screen-factor' must be 0"):
         Settings.from_mapping({"curvature-screen-factor": 0.5})
     assert Settings.from_mapping({"val-screen": "false"}).val_screen is False
+
+
+# ------------------------------------------------------------------ the App's results
+def test_a_run_names_the_direction_attacker_in_results_json(small_settings):
+    """A live App run of three clients (real FMNIST, the default LeNet, their uniform
+    ensemble), client 2's reply with its last layer negated on the wire: results.json
+    excludes it with the validation screen's reason and records the screens' settings; a
+    replay of the same uploads with ``val-screen=false`` fuses it, and loses accuracy."""
+    def tamper(client_index: int, reply: Message) -> Message:
+        if client_index == 2:
+            record = reply.content[member_key(0, "weights")]
+            # the output layer: the 2-D weight with one row per class
+            (last,) = [k for k in record.keys() if record[k].numpy().ndim == 2
+                       and record[k].numpy().shape[0] == 10]
+            record[last] = Array(-record[last].numpy())
+        return reply
+
+    # trained enough to be far from chance: a barely trained model negated is barely below
+    settings = small_settings.replace(run_name="direction", strategy="ensemble",
+                                      local_epochs=8, val_size=1000)
+    live = run_server(settings, InProcessGrid(settings, tamper=tamper))
+    (excluded,) = live["excluded"]
+    assert excluded["client"] == "node 102" and re.fullmatch(
+        r"client 2 \(node 102\): below chance on the validation data: accuracy \S+ against "
+        r"\S+ expected of its own predictions by chance \(margin \S+, 1000 rows\)",
+        excluded["reason"]), excluded["reason"]
+    assert live["screening"]["val_screen"] is True
+    assert live["screening"]["curvature_screen_factor"] == 10.0
+    off = run_server(settings.replace(run_name="unscreened", val_screen=False,
+                                      replay=f"{live['output_dir']}/uploads"))
+    assert off["excluded"] == [] and off["screening"]["val_screen"] is False
+    assert off["test"]["accuracy"] <= live["test"]["accuracy"] - 0.05, (off["test"],
+                                                                         live["test"])

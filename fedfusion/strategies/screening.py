@@ -34,11 +34,48 @@ whose entry p has the same shape. Client c is an outlier when, for some member m
 zero without letting a large value there through). The median is the honest clients' as long
 as fewer than half of the clients are outliers; with fewer than :data:`MIN_SCREEN_CLIENTS`
 clients sharing an entry there is no majority to compare with, so nothing is excluded and
-the report says so. Only weights are screened: curvature and Gram matrices are sums over a
-client's samples, so their norms grow with honest data and a ratio test would exclude large
-clients (their magnitude caps bound them instead). Small norms are not screened: a zero or
-tiny entry pulls an average towards zero by at most its (capped) weight share, and an
-untrained honest layer looks the same.
+the report says so. Small norms are not screened: a zero or tiny entry pulls an average
+towards zero by at most its (capped) weight share, and an untrained honest layer looks the
+same. The rule (:func:`entry_outliers`) is shared with the curvature screen.
+
+**Curvature and Gram** (:func:`screen_curvature`), for the sections the strategy fuses
+(``curvature.<structure>``: FedBEns, FedFisher, Fisher merging; ``gram``: RegMean). These
+are sums over a client's samples, so each layer's scale is divided by the client's count:
+for member m of client c and layer p of section s,
+
+    t_{c,m,(s,p)} = tr(H_{c,m,s,p}) / n'_c
+
+with H the layer's matrix (a Kron block: tr(B (x) A) = (sum l_B)(sum l_A); a diagonal:
+sum h; a ``diag_full`` block: tr H_L; a Gram: tr G, :func:`section_scales`) and n'_c the
+count capped among the clients kept by the weight and validation screens (so a claim of
+1e9 examples cannot dilute a trace at the cap). The trace bounds the largest eigenvalue,
+so a client that concentrates its precision in one direction is caught like one that
+spreads it. The same rule as the weights then applies with f = ``curvature_screen_factor``
+(floor NORM_FLOOR per diagonal entry). Excluding, not clipping: a client whose precision is
+out of line by the factor has sent numbers its data cannot explain, and clipping would
+still fuse its weights at up to f times the median client's share; the bound this leaves
+is f * k times a median client's precision (k = ``num_examples_cap``) for a client just
+under both limits. Small traces are not screened: a tiny precision gives a client less say
+in every one of these fusions.
+
+**Validation screen** (:func:`screen_on_validation`), with the server's validation rows
+(x_i, y_i), i = 1..n: every member predicts yhat_i = argmax f(x_i), and is scored by its
+accuracy a = mean_i [yhat_i = y_i] against what its OWN predicted-class rates q_k would
+score by chance on the validation labels' class rates p_k,
+
+    e = sum_k q_k p_k,     below  <=>  a < e - max(CHANCE_MARGIN_MIN,
+                                                   VAL_SCREEN_SIGMAS * sqrt(e (1 - e) / n))
+
+(a - e is the numerator of Cohen's kappa). A client with any member below is excluded
+before fusion. Against its own chance, not 1/K: an honest client that knows one class
+predicts it everywhere and scores exactly e (about 1/K on balanced rows), one that knows
+a few classes scores above its e, while a member whose last layer is negated or whose rows
+are permuted puts its predictions on the wrong classes and scores near 0. What it cannot
+catch: a member at or above its own chance that still hurts the fusion (an untrained or
+free-riding model scores e; a model trained to be right on the validation rows; hidden
+units permuted, which leaves every member's predictions intact but breaks a parameter
+average; an attack on a few classes, diluted in a and e), and anything without validation
+rows.
 
 **At chance** (:func:`chance_check`): a fused model whose validation accuracy a satisfies
 a <= chance + margin, with chance = max(1/K, the validation set's majority-class rate) and
