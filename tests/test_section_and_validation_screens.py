@@ -134,7 +134,7 @@ def direction_attack(data: dict, kind: str) -> ClientUpload:
 # ------------------------------------------------------------------ item 1: curvature, Gram
 CURVATURE_REASON = (r"client 3: {what} screened out as an outlier: member [01] section "
                     r"{section} layer \S+: trace per example \S+ is \S+x the clients' median "
-                    r"\S+ \(curvature_screen_factor 10\)(; \d+ more entries above it)?")
+                    r"\S+ \(curvature_screen_factor 30\)(; \d+ more entries above it)?")
 
 
 @pytest.mark.parametrize("make, section, kwargs, drop", [
@@ -166,7 +166,7 @@ def test_honest_label_skewed_clients_pass_the_curvature_screen(fmnist):
     """The three honest clients of very different label sets, and the same three with a
     fourth trained on 3x the rows (its traces grow with its data; per example they do
     not): nobody is excluded from FedBEns or RegMean, and the largest trace ratio stays
-    below half the factor."""
+    below 5 (the default factor is 30)."""
     x = torch.cat([fmnist[f"client{c}"][0] for c in range(3)])
     y = torch.cat([fmnist[f"client{c}"][1] for c in range(3)])
     model = SmallCNN()
@@ -365,7 +365,7 @@ def test_agreement_scores_by_hand():
 
 # ------------------------------------------------------------------ the knobs
 def test_the_knobs_are_checked_and_their_defaults_are_the_run_configs():
-    assert (Settings().curvature_screen_factor, Settings().val_screen) == (10.0, True)
+    assert (Settings().curvature_screen_factor, Settings().val_screen) == (30.0, True)
     signature = inspect.signature(Fusion.__init__).parameters
     assert signature["curvature_screen_factor"].default == Settings().curvature_screen_factor
     assert signature["val_screen"].default == Settings().val_screen
@@ -404,7 +404,7 @@ def test_a_run_names_the_direction_attacker_in_results_json(small_settings):
         r"\S+ expected of its own predictions by chance \(margin \S+, 1000 rows\)",
         excluded["reason"]), excluded["reason"]
     assert live["screening"]["val_screen"] is True
-    assert live["screening"]["curvature_screen_factor"] == 10.0
+    assert live["screening"]["curvature_screen_factor"] == 30.0
     off = run_server(settings.replace(run_name="unscreened", val_screen=False,
                                       replay=f"{live['output_dir']}/uploads"))
     assert off["excluded"] == [] and off["screening"]["val_screen"] is False
