@@ -307,6 +307,8 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
         if row["client_id"] in weighted:
             row["num_examples_weighted"] = weighted[row["client_id"]]
     results["screening"] = {"screen_factor": strategy.screen_factor,
+                            "curvature_screen_factor": strategy.curvature_screen_factor,
+                            "val_screen": strategy.val_screen,
                             "num_examples_cap": strategy.num_examples_cap,
                             "notes": strategy.screen_notes}
     results["chance"] = strategy.chance

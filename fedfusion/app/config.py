@@ -111,8 +111,11 @@ class Settings:
     min_valid_uploads: int = 1
     member_fusion: str = ""
     norm_stats: str = "auto"
-    # robust aggregation (fedfusion.strategies.screening): weight-norm screen, count cap
+    # robust aggregation (fedfusion.strategies.screening): weight-norm, curvature/Gram and
+    # validation screens, count cap
     screen_factor: float = 10.0
+    curvature_screen_factor: float = 30.0
+    val_screen: bool = True
     num_examples_cap: float = 3.0
     # one network out of any fused predictor (fedfusion.distillation)
     distill: str = "none"
@@ -254,7 +257,7 @@ class Settings:
         self.parsed_input_stats()
         if not (self.init_perturbation >= 0 and math.isfinite(self.init_perturbation)):
             raise ConfigError("run-config 'init-perturbation' must be a finite number >= 0")
-        for key in ("screen-factor", "num-examples-cap"):
+        for key in ("screen-factor", "curvature-screen-factor", "num-examples-cap"):
             value = getattr(self, key.replace("-", "_"))
             if not (math.isfinite(value) and (value == 0 or value >= 1)):
                 raise ConfigError(f"run-config {key!r} must be 0 (off) or a number >= 1, got "
@@ -570,6 +573,8 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
             client_config=client_config,
             norm_stats=settings.norm_stats,
             screen_factor=settings.screen_factor,
+            curvature_screen_factor=settings.curvature_screen_factor,
+            val_screen=settings.val_screen,
             num_examples_cap=settings.num_examples_cap,
             distill=settings.distill,
             distill_epochs=settings.distill_epochs,

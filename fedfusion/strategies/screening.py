@@ -34,11 +34,48 @@ whose entry p has the same shape. Client c is an outlier when, for some member m
 zero without letting a large value there through). The median is the honest clients' as long
 as fewer than half of the clients are outliers; with fewer than :data:`MIN_SCREEN_CLIENTS`
 clients sharing an entry there is no majority to compare with, so nothing is excluded and
-the report says so. Only weights are screened: curvature and Gram matrices are sums over a
-client's samples, so their norms grow with honest data and a ratio test would exclude large
-clients (their magnitude caps bound them instead). Small norms are not screened: a zero or
-tiny entry pulls an average towards zero by at most its (capped) weight share, and an
-untrained honest layer looks the same.
+the report says so. Small norms are not screened: a zero or tiny entry pulls an average
+towards zero by at most its (capped) weight share, and an untrained honest layer looks the
+same. The rule (:func:`entry_outliers`) is shared with the curvature screen.
+
+**Curvature and Gram** (:func:`screen_curvature`), for the sections the strategy fuses
+(``curvature.<structure>``: FedBEns, FedFisher, Fisher merging; ``gram``: RegMean). These
+are sums over a client's samples, so each layer's scale is divided by the client's count:
+for member m of client c and layer p of section s,
+
+    t_{c,m,(s,p)} = tr(H_{c,m,s,p}) / n'_c
+
+with H the layer's matrix (a Kron block: tr(B (x) A) = (sum l_B)(sum l_A); a diagonal:
+sum h; a ``diag_full`` block: tr H_L; a Gram: tr G, :func:`section_scales`) and n'_c the
+count capped among the clients kept by the weight and validation screens (so a claim of
+1e9 examples cannot dilute a trace at the cap). The trace bounds the largest eigenvalue,
+so a client that concentrates its precision in one direction is caught like one that
+spreads it. The same rule as the weights then applies with f = ``curvature_screen_factor``
+(floor NORM_FLOOR per diagonal entry). Excluding, not clipping: a client whose precision is
+out of line by the factor has sent numbers its data cannot explain, and clipping would
+still fuse its weights at up to f times the median client's share; the bound this leaves
+is f * k times a median client's precision (k = ``num_examples_cap``) for a client just
+under both limits. Small traces are not screened: a tiny precision gives a client less say
+in every one of these fusions.
+
+**Validation screen** (:func:`screen_on_validation`), with the server's validation rows
+(x_i, y_i), i = 1..n: every member predicts yhat_i = argmax f(x_i), and is scored by its
+accuracy a = mean_i [yhat_i = y_i] against what its OWN predicted-class rates q_k would
+score by chance on the validation labels' class rates p_k,
+
+    e = sum_k q_k p_k,     below  <=>  a < e - max(CHANCE_MARGIN_MIN,
+                                                   VAL_SCREEN_SIGMAS * sqrt(e (1 - e) / n))
+
+(a - e is the numerator of Cohen's kappa). A client with any member below is excluded
+before fusion. Against its own chance, not 1/K: an honest client that knows one class
+predicts it everywhere and scores exactly e (about 1/K on balanced rows), one that knows
+a few classes scores above its e, while a member whose last layer is negated or whose rows
+are permuted puts its predictions on the wrong classes and scores near 0. What it cannot
+catch: a member at or above its own chance that still hurts the fusion (an untrained or
+free-riding model scores e; a model trained to be right on the validation rows; hidden
+units permuted, which leaves every member's predictions intact but breaks a parameter
+average; an attack on a few classes, diluted in a and e), and anything without validation
+rows.
 
 **At chance** (:func:`chance_check`): a fused model whose validation accuracy a satisfies
 a <= chance + margin, with chance = max(1/K, the validation set's majority-class rate) and
@@ -50,7 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +96,7 @@ import torch
 from torch import nn
 
 from fedfusion.evaluation import Labelled, evaluate
+from fedfusion.sections import CURVATURE_PREFIX
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 #: the norm screen needs at least this many clients sharing an entry to tell an outlier
@@ -69,6 +107,10 @@ MIN_SCREEN_CLIENTS = 3
 NORM_FLOOR = 1e-6
 #: the least margin above chance a fused model must clear not to be reported at chance
 CHANCE_MARGIN_MIN = 0.02
+#: the validation screen's margin below a member's own chance, in standard errors
+VAL_SCREEN_SIGMAS = 3.0
+#: RegMean's upload section (:mod:`fedfusion.gram`), screened with the curvature
+GRAM = "gram"
 
 
 @dataclass
@@ -137,6 +179,57 @@ def weight_norms(upload: ClientUpload) -> list[dict[str, float]]:
             for member in upload.members]
 
 
+#: one entry's key in :func:`entry_outliers` (a weight entry: its name and shape; a
+#: curvature or Gram layer: its section and parameter name)
+EntryKey = tuple[str, Any]
+#: one rule hit: (ratio to the reference, member, entry key, value, reference)
+Hit = tuple[float, int, EntryKey, float, float]
+
+
+def entry_outliers(values: Sequence[Sequence[Mapping[EntryKey, float]]], factor: float,
+                   floors: Mapping[EntryKey, float]) -> tuple[dict[int, list[Hit]], int]:
+    """The robust rule of every per-entry screen (module docstring), on values
+    ``values[c][m][e]`` = v_{c,m,e} >= 0 of client c, member m, entry e: the reference of
+    entry e is R_e = median_c median_m v_{c,m,e} over the clients holding e, and (c, m, e) is
+    a hit when v_{c,m,e} > factor * R_e and v_{c,m,e} > ``floors[e]``. Entries held by fewer
+    than :data:`MIN_SCREEN_CLIENTS` clients are not screened. Returns the hits per client
+    index, worst (largest ratio) first, and how many entries were not screened."""
+    holders: dict[EntryKey, list[int]] = {}
+    for c, members in enumerate(values):
+        for key in dict.fromkeys(k for member in members for k in member):
+            holders.setdefault(key, []).append(c)
+    hits: dict[int, list[Hit]] = {}
+    unscreened = 0
+    for key, clients in holders.items():
+        if len(clients) < MIN_SCREEN_CLIENTS:
+            unscreened += 1
+            continue
+        reference = float(np.median([np.median([m[key] for m in values[c] if key in m])
+                                     for c in clients]))
+        for c in clients:
+            for m, member in enumerate(values[c]):
+                value = member.get(key)
+                if value is None or not (value > factor * reference and value > floors[key]):
+                    continue
+                ratio = value / reference if reference > 0 else math.inf
+                hits.setdefault(c, []).append((ratio, m, key, value, reference))
+    return {c: sorted(h, key=lambda hit: -hit[0]) for c, h in hits.items()}, unscreened
+
+
+def _outlier_reason(upload: ClientUpload, what: str, hits: list[Hit], describe: str,
+                    knob: str) -> str:
+    """``client 3: weights screened out as an outlier: <worst hit> (knob f); N more entries
+    above it``; ``describe`` formats a hit with ``{where}`` (``member m `` for a client
+    with several), ``{name}``, ``{value}``, ``{ratio}`` and ``{reference}``."""
+    ratio, m, key, value, reference = hits[0]
+    where = f"member {m} " if upload.num_members > 1 else ""
+    more = f"; {len(hits) - 1} more entr{'y' if len(hits) == 2 else 'ies'} above it" \
+        if len(hits) > 1 else ""
+    return (f"{who(upload)}: {what} screened out as an outlier: " + describe.format(
+        where=where, name=key[0] if what == "weights" else key[1], section=key[0],
+        value=value, ratio=ratio, reference=reference) + f" ({knob}){more}")
+
+
 def screen_weight_norms(uploads: Sequence[ClientUpload], factor: float
                         ) -> tuple[list[ClientUpload], list[tuple[ClientUpload, str]],
                                    list[str]]:
@@ -153,54 +246,184 @@ def screen_weight_norms(uploads: Sequence[ClientUpload], factor: float
         return list(uploads), [], [] if not uploads else [
             f"{len(uploads)} client(s): the weight-norm screen needs at least "
             f"{MIN_SCREEN_CLIENTS} to tell an outlier from the rest; nothing screened"]
-    norms = [weight_norms(u) for u in uploads]
     # entries keyed by (name, shape): clients of other architectures (AMS) are not compared
-    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    for c, upload in enumerate(uploads):
-        for name, array in upload.weights(0).items():
-            if array.dtype.kind == "f":
-                groups.setdefault((name, tuple(array.shape)), []).append(c)
-    worst: dict[int, list[tuple[float, str]]] = {}
-    unscreened = 0
-    for (name, shape), clients in groups.items():
-        if len(clients) < MIN_SCREEN_CLIENTS:
-            unscreened += 1
-            continue
-        reference = float(np.median([np.median([m[name] for m in norms[c] if name in m])
-                                     for c in clients]))
-        floor = NORM_FLOOR * math.sqrt(math.prod(shape))
-        for c in clients:
-            for m, member in enumerate(norms[c]):
-                norm = member.get(name)
-                if norm is None or not (norm > factor * reference and norm > floor):
-                    continue
-                ratio = norm / reference if reference > 0 else math.inf
-                where = f"member {m} " if len(norms[c]) > 1 else ""
-                worst.setdefault(c, []).append((ratio, (
-                    f"{where}layer {name}: norm {norm:.3g} is {ratio:.3g}x the clients' "
-                    f"median {reference:.3g}")))
+    values = [[{(name, member[WEIGHTS][name].shape): norm for name, norm in norms.items()}
+               for member, norms in zip(u.members, weight_norms(u), strict=True)]
+              for u in uploads]
+    floors = {key: NORM_FLOOR * math.sqrt(math.prod(key[1]))
+              for members in values for member in members for key in member}
+    hits, unscreened = entry_outliers(values, factor, floors)
     notes = [f"{unscreened} weight entr{'y' if unscreened == 1 else 'ies'} held by fewer than "
              f"{MIN_SCREEN_CLIENTS} clients of one shape were not screened"] if unscreened else []
-    kept, excluded = [], []
+    excluded = [(u, _outlier_reason(u, "weights", hits[c], "{where}layer {name}: norm "
+                                    "{value:.3g} is {ratio:.3g}x the clients' median "
+                                    "{reference:.3g}", f"screen_factor {factor:g}"))
+                for c, u in enumerate(uploads) if c in hits]
+    return [u for c, u in enumerate(uploads) if c not in hits], excluded, notes
+
+
+def screened_section(section: str) -> bool:
+    """True for the sections the curvature screen reads: Laplace curvature
+    (``curvature.<structure>``) and RegMean's ``gram``."""
+    return section.startswith(CURVATURE_PREFIX) or section == GRAM
+
+
+def section_scales(section: str, arrays: Mapping[str, np.ndarray]
+                   ) -> dict[str, tuple[float, int]]:
+    """Per layer of one member's curvature or Gram section, (trace, side) of the matrix it
+    describes (float64; the arrays passed validation, so every eigenvalue is >= 0 up to
+    round-off, clipped here):
+
+    * ``gram``: tr G and the side of G, per Linear/Conv2d weight;
+    * a Kron block ``p/eigvals_out``, ``p/eigvals_in``: tr(B (x) A) = tr B * tr A =
+      (sum l_B)(sum l_A), side r_B r_A (the kept eigenpairs); eigenvectors are not read
+      (validation checked them orthonormal, so they leave the trace alone);
+    * ``p/ggn_diag``: sum h, side its size; ``p/ggn_full``: tr H_L, side n.
+
+    A parameter with several arrays (none today) would sum them."""
+    scales: dict[str, tuple[float, int]] = {}
+
+    def add(name: str, trace: float, side: int) -> None:
+        old = scales.get(name, (0.0, 0))
+        scales[name] = (old[0] + trace, old[1] + side)
+
+    for key, array in arrays.items():
+        values = array.astype(np.float64, copy=False)
+        if section == GRAM:
+            add(key, float(np.trace(values)), values.shape[0])
+            continue
+        name, _, kind = key.rpartition("/")
+        if kind == "eigvals_in":
+            out = arrays[f"{name}/eigvals_out"].astype(np.float64, copy=False)
+            add(name, float(np.maximum(out, 0).sum() * np.maximum(values, 0).sum()),
+                out.size * values.size)
+        elif kind == "ggn_diag":
+            add(name, float(np.maximum(values, 0).sum()), values.size)
+        elif kind == "ggn_full":
+            add(name, float(np.trace(values)), values.shape[0])
+    return scales
+
+
+def screen_curvature(uploads: Sequence[ClientUpload], factor: float, sections: Sequence[str],
+                     counts: Sequence[int] | None = None
+                     ) -> tuple[list[ClientUpload], list[tuple[ClientUpload, str]], list[str]]:
+    """The curvature and Gram screen of the module docstring at factor f = ``factor`` (0:
+    off) over ``sections`` (those :func:`screened_section` reads; others are skipped), each
+    layer's trace divided by the client's example count (``counts[c]``, the capped count the
+    strategy weights by; default each upload's ``num_examples``).
+
+    Returns (kept uploads in the order given, (upload, reason) per outlier, notes), as
+    :func:`screen_weight_norms`; the reason names the worst layer: member, section, layer,
+    its trace per example, the ratio to the clients' median and the factor."""
+    if factor < 0 or not math.isfinite(factor):
+        raise ValueError(f"the curvature screen factor must be a finite number >= 0, got "
+                         f"{factor!r}")
+    sections = [s for s in sections if screened_section(s)]
+    if not factor or not sections:
+        return list(uploads), [], []
+    if len(uploads) < MIN_SCREEN_CLIENTS:
+        return list(uploads), [], [] if not uploads else [
+            f"{len(uploads)} client(s): the curvature screen needs at least "
+            f"{MIN_SCREEN_CLIENTS} to tell an outlier from the rest; nothing screened"]
+    counts = [u.num_examples for u in uploads] if counts is None else list(counts)
+    values: list[list[dict[EntryKey, float]]] = []
+    floors: dict[EntryKey, float] = {}
+    for upload, count in zip(uploads, counts, strict=True):
+        members = []
+        for member in upload.members:
+            row: dict[EntryKey, float] = {}
+            for section in sections:
+                for name, (trace, side) in section_scales(section,
+                                                          member.get(section, {})).items():
+                    row[(section, name)] = trace / max(count, 1)
+                    floors[(section, name)] = NORM_FLOOR * side
+            members.append(row)
+        values.append(members)
+    hits, unscreened = entry_outliers(values, factor, floors)
+    notes = [f"{unscreened} curvature/Gram layer(s) held by fewer than {MIN_SCREEN_CLIENTS} "
+             "clients were not screened"] if unscreened else []
+    excluded = []
     for c, upload in enumerate(uploads):
-        if c not in worst:
+        if c in hits:
+            what = "Gram" if hits[c][0][2][0] == GRAM else "curvature"
+            excluded.append((upload, _outlier_reason(
+                upload, what, hits[c], "{where}section {section} layer {name}: trace per "
+                "example {value:.3g} is {ratio:.3g}x the clients' median {reference:.3g}",
+                f"curvature_screen_factor {factor:g}")))
+    return [u for c, u in enumerate(uploads) if c not in hits], excluded, notes
+
+
+def agreement_scores(predictions: Sequence[torch.Tensor], y: torch.Tensor, num_classes: int
+                     ) -> list[dict[str, float]]:
+    """Per member, its validation accuracy against what its own predictions would score by
+    chance (module docstring, validation screen): ``accuracy`` a = mean[yhat = y],
+    ``expected`` e = sum_k q_k p_k (q: the member's predicted-class rates, p: the
+    validation labels' class rates), ``margin`` (:func:`chance_margin` of e at
+    :data:`VAL_SCREEN_SIGMAS` standard errors), ``below`` (a < e - margin)."""
+    y = y.long().flatten().cpu()
+    n = max(len(y), 1)
+    labels = torch.bincount(y, minlength=num_classes).double() / n
+    scores = []
+    for predicted in predictions:
+        predicted = predicted.long().flatten().cpu()
+        rates = torch.bincount(predicted, minlength=num_classes).double() / n
+        accuracy = float((predicted == y).double().mean())
+        expected = float((rates[:len(labels)] * labels[:len(rates)]).sum())
+        margin = chance_margin(expected, len(y), VAL_SCREEN_SIGMAS)
+        scores.append({"accuracy": accuracy, "expected": expected, "margin": margin,
+                       "below": accuracy < expected - margin})
+    return scores
+
+
+def screen_on_validation(uploads: Sequence[ClientUpload],
+                         predict: Callable[[ClientUpload], Sequence[torch.Tensor]],
+                         y: torch.Tensor | None, num_classes: int
+                         ) -> tuple[list[ClientUpload], list[tuple[ClientUpload, str]]]:
+    """The validation screen (module docstring): every member of every upload predicts the
+    validation rows (``predict(upload)``: one tensor of predicted classes per member, in
+    the order of ``y``), and a client with any member below its own chance
+    (:func:`agreement_scores`) is excluded, the worst member named in the reason. No
+    validation rows (``y`` None or empty): nothing is screened."""
+    if y is None or not len(y):
+        return list(uploads), []
+    kept, excluded = [], []
+    for upload in uploads:
+        scores = agreement_scores(predict(upload), y, num_classes)
+        below = [(s["accuracy"] - s["expected"], m, s) for m, s in enumerate(scores)
+                 if s["below"]]
+        if not below:
             kept.append(upload)
             continue
-        hits = sorted(worst[c], key=lambda hit: -hit[0])
-        more = f"; {len(hits) - 1} more entr{'y' if len(hits) == 2 else 'ies'} above it" \
-            if len(hits) > 1 else ""
-        excluded.append((upload, f"{who(upload)}: weights screened out as an outlier: "
-                                 f"{hits[0][1]} (screen_factor {factor:g}){more}"))
-    return kept, excluded, notes
+        _, m, worst = min(below, key=lambda hit: hit[0])
+        where = f"member {m} " if upload.num_members > 1 else ""
+        more = f"; {len(below) - 1} more member(s) below" if len(below) > 1 else ""
+        excluded.append((upload, (
+            f"{who(upload)}: {where}below chance on the validation data: accuracy "
+            f"{worst['accuracy']:.3f} against {worst['expected']:.3f} expected of its own "
+            f"predictions by chance (margin {worst['margin']:.3f}, {len(y)} rows){more}")))
+    return kept, excluded
 
 
 def screen_uploads(uploads: Sequence[ClientUpload], *, screen_factor: float,
-                   num_examples_cap: float) -> ScreenResult:
-    """The norm screen (outliers out), then the count cap among the clients kept (an
-    outlier's claim does not move the others' medians)."""
+                   num_examples_cap: float, curvature_screen_factor: float = 0.0,
+                   sections: Sequence[str] = (),
+                   predict: Callable[[ClientUpload], Sequence[torch.Tensor]] | None = None,
+                   val_labels: torch.Tensor | None = None, num_classes: int = 0
+                   ) -> ScreenResult:
+    """Every screen, once, in this order: the weight-norm screen, the validation screen
+    (with ``predict`` and ``val_labels``), the curvature/Gram screen over ``sections``
+    (traces per example of the counts capped among the clients kept so far), then the count
+    cap among the clients kept (an outlier's claim does not move the others' medians)."""
     kept, excluded, notes = screen_weight_norms(uploads, screen_factor)
-    weighted, capped = cap_num_examples(kept, num_examples_cap)
-    return ScreenResult(kept, weighted, excluded, capped, notes)
+    if predict is not None:
+        kept, out = screen_on_validation(kept, predict, val_labels, num_classes)
+        excluded += out
+    capped, _ = cap_num_examples(kept, num_examples_cap)
+    kept, out, more = screen_curvature(kept, curvature_screen_factor, sections,
+                                       [u.num_examples for u in capped])
+    excluded, notes = excluded + out, notes + more
+    weighted, records = cap_num_examples(kept, num_examples_cap)
+    return ScreenResult(kept, weighted, excluded, records, notes)
 
 
 def chance_level(y: torch.Tensor, num_classes: int) -> float:
@@ -209,10 +432,11 @@ def chance_level(y: torch.Tensor, num_classes: int) -> float:
     return max(1.0 / num_classes, float(counts.max()) / max(len(y), 1))
 
 
-def chance_margin(chance: float, num_rows: int) -> float:
-    """max(CHANCE_MARGIN_MIN, two standard errors of an accuracy of ``chance`` on
+def chance_margin(chance: float, num_rows: int, sigmas: float = 2.0) -> float:
+    """max(CHANCE_MARGIN_MIN, ``sigmas`` standard errors of an accuracy of ``chance`` on
     ``num_rows`` rows)."""
-    return max(CHANCE_MARGIN_MIN, 2.0 * math.sqrt(chance * (1.0 - chance) / max(num_rows, 1)))
+    return max(CHANCE_MARGIN_MIN,
+               sigmas * math.sqrt(chance * (1.0 - chance) / max(num_rows, 1)))
 
 
 def chance_check(predictor: nn.Module, val: Labelled | None, device: torch.device
