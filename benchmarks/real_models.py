@@ -1,7 +1,8 @@
 """Every strategy on real users' models: BatchNorm CNN, ResNet with and without BatchNorm,
 LayerNorm MLP, a vision transformer and a transformer over integer tokens.
 
-FMNIST (the token transformer: scikit-learn's digits as 64 integer tokens), C = 5 clients, Dirichlet alpha in {0.1, 0.4}, seeds {0, 1}. Per (model, alpha, seed)
+FMNIST (the token transformer: scikit-learn's digits as 64 integer tokens), C = 5 clients,
+Dirichlet alpha in {0.1, 0.4}, seeds {0, 1}. Per (model, alpha, seed)
 "cell": ONE live `flwr run` of FedBEns (M = 3 members per client, Kron curvature: K-FAC
 blocks for Linear/Conv2d, diagonal blocks for the rest, T = 0.1, sigma^2 = 0.1, 300 server
 steps with the validation set) whose clients also upload the diagonal curvature and

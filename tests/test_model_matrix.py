@@ -80,6 +80,21 @@ def wire_uploads(data) -> dict[str, list]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+
+def fuse_and_score(fuser, records, test) -> tuple[list, torch.Tensor, float]:
+    """Decode the wire ``records`` for ``fuser``, fuse them (no client excluded) and return
+    the uploads, the predictor's log-probabilities on ``test`` (finite) and its accuracy."""
+    uploads = [decode_upload(record, c, fuser.context.param_shapes, fuser.required_sections)
+               for c, record in enumerate(records)]
+    predictor = fuser.fuse_uploads(uploads)
+    assert fuser.exclusions == []
+    x, y = test
+    with torch.no_grad():
+        log_probs = predictor(x)
+    assert torch.isfinite(log_probs).all()
+    return uploads, log_probs, float((log_probs.argmax(1) == y).float().mean())
+
+
 def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploads):
     name, kwargs = FAMILIES[family]
     spec = ModelSpec(name, INPUT_SHAPE, 10, kwargs)
@@ -91,15 +106,8 @@ def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploa
         return
     fuser = cls(spec, num_clients=3, num_members=2, val=data["val"],
                 **OPTIONS.get(strategy, {}))
-    uploads = [decode_upload(record, c, fuser.context.param_shapes, fuser.required_sections)
-               for c, record in enumerate(wire_uploads[family])]
-    predictor = fuser.fuse_uploads(uploads)
-    assert fuser.exclusions == []
+    uploads, log_probs, accuracy = fuse_and_score(fuser, wire_uploads[family], data["test"])
     x, y = data["test"]
-    with torch.no_grad():
-        log_probs = predictor(x)
-    assert torch.isfinite(log_probs).all()
-    accuracy = float((log_probs.argmax(1) == y).float().mean())
     assert accuracy >= FLOOR, f"{strategy} on {family}: accuracy {accuracy:.3f}"
     # not a FedAvg in disguise: FedAvg of the same uploads (member 0, or every member index
     # where the strategy fuses them all) predicts otherwise, except where the strategy IS
@@ -213,15 +221,8 @@ def test_every_strategy_on_the_transformers(strategy, family, transformer_data,
         return
     fuser = cls(spec, num_clients=3, num_members=1, val=data["val"],
                 **OPTIONS.get(strategy, {}))
-    uploads = [decode_upload(record, c, fuser.context.param_shapes, fuser.required_sections)
-               for c, record in enumerate(transformer_uploads[family])]
-    predictor = fuser.fuse_uploads(uploads)
-    assert fuser.exclusions == []
+    uploads, log_probs, accuracy = fuse_and_score(fuser, transformer_uploads[family], data["test"])
     x, y = data["test"]
-    with torch.no_grad():
-        log_probs = predictor(x)
-    assert torch.isfinite(log_probs).all()
-    accuracy = float((log_probs.argmax(1) == y).float().mean())
     floor = TRANSFORMER_FLOOR[family]
     assert accuracy >= floor, f"{strategy} on {family}: accuracy {accuracy:.3f} < {floor}"
     first = min(uploads, key=lambda u: u.client_id)

@@ -140,7 +140,8 @@ def test_the_operator_registry_is_enforced(tmp_path):
     strategy = FedAvg(TinyNet, min_train_nodes=2, min_available_nodes=2, client_registry=path)
     play_round(strategy, {400: 3, 500: 4, 600: 4})
     assert fused(strategy) == {3: (500, 4, "registry", 500), 4: (600, 4, "registry", 600)}
-    assert strategy.exclusions == [{"round": 1, "client": "node 400", "node_id": 400, "client_id": None, "reason":
+    assert strategy.exclusions == [{"round": 1, "client": "node 400", "node_id": 400,
+                                    "client_id": None, "reason":
                                     "node 400 is not in the client registry; not sent the "
                                     "round"}]
 

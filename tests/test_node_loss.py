@@ -268,7 +268,8 @@ def test_a_grid_without_message_ids_is_read_by_the_sender():
     messages = sent_round(strategy, [11, 22], ids=False)
     error = Message(Error(code=0, reason="MemoryError: out of memory"), reply_to=messages[1])
     strategy.aggregate_train(1, [upload_reply(messages[0], 0), error])
-    assert strategy.exclusions == [{"round": 1, "client": "node 22", "node_id": 22, "client_id": None,
+    assert strategy.exclusions == [{"round": 1, "client": "node 22", "node_id": 22,
+                                    "client_id": None,
                                     "reason": "client error: MemoryError: out of memory"}]
 
 
