@@ -32,6 +32,26 @@ def live_run(run_config: str, out: str, name: str) -> dict:
     return launch(f"{run_config} output-dir='{out}' run-name={name}")
 
 
+def live_run_in_process(run_config: str, out: str, name: str) -> dict:
+    """:func:`live_run` without Flower's processes: the App's own ClientApp in this process
+    (``InProcessGrid``), one client after another; the same results.json."""
+    import shlex
+
+    from fedfusion.app.config import Settings
+    from fedfusion.app.inprocess import InProcessGrid
+    from fedfusion.server_app import run_server
+
+    done = Path(out) / name / "results.json"
+    if done.is_file():
+        results = json.loads(done.read_text())
+        if results.get("status") == "ok":
+            print(f"reusing {done}")
+            return results
+    mapping = dict(item.split("=", 1) for item in shlex.split(run_config))
+    settings = Settings.from_mapping({**mapping, "output-dir": out, "run-name": name})
+    return run_server(settings, InProcessGrid(settings))
+
+
 def own_peak_bytes() -> int:
     """This process's peak resident set (Linux ``VmHWM``: its own address space only; not
     ``ru_maxrss``, which Linux carries across ``exec`` from the parent)."""

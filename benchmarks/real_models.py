@@ -105,7 +105,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, live_run, section_mb, wait_for_live
+from common import REPO, live_run, live_run_in_process, section_mb, wait_for_live
 
 from fedfusion.app.config import STRATEGY_KEYS, Settings  # noqa: E402
 from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
@@ -188,6 +188,9 @@ UPLOAD_KEYS = (*DATA_KEYS, "extra-sections", "hessian-structure", "curvature-bac
                "curvature-batch-size", "temperature", "prior-var")
 #: server-side keys shared by the live run and every replay (--quick lowers some)
 SERVER = {"server_threads": 1, "eval_batch_size": 256}
+#: --in-process: live runs without Flower's processes (``InProcessGrid``), e.g. beside
+#: another ``flwr run`` on the machine
+IN_PROCESS = False
 #: when the script started (progress lines)
 T0 = time.perf_counter()
 
@@ -337,7 +340,7 @@ def run_live(out: str, name: str, run_config: str) -> dict:
     marker.unlink(missing_ok=True)
     check_settings(out, name, run_config)
     try:
-        return live_run(run_config, out, name)
+        return (live_run_in_process if IN_PROCESS else live_run)(run_config, out, name)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -651,6 +654,8 @@ def main() -> None:
     parser.add_argument("--alphas", default="0.1,0.4")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--members", type=int, default=3, help="M of FedBEns")
+    parser.add_argument("--in-process", action="store_true",
+                        help="live runs in this process (InProcessGrid), not through flwr run")
     parser.add_argument("--quick", action="store_true",
                         help="tiny plumbing check: small subsets, 1 epoch, few server steps; "
                              "results under outputs/ only")
@@ -679,6 +684,8 @@ def main() -> None:
                              "replay, e.g. fedfisher-steps=500")
     parser.add_argument("--print-settings", action="store_true")
     args = parser.parse_args()
+    global IN_PROCESS
+    IN_PROCESS = args.in_process
     args.server_overrides = parse_overrides(args.set, args.server)
     if args.print_settings:
         for key, spec in MODELS.items():
