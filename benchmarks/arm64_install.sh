@@ -18,7 +18,14 @@ MIRROR=${MIRROR:-http://deb.debian.org/debian}
 RELEASE=$(. /etc/os-release && echo "$VERSION_CODENAME")
 ENV=/opt/fedfusion-env
 LOG=$ROOT/root/fedfusion-install.jsonl
-TORCH=${TORCH:-torch==2.14.1}
+# torch 2.10.0, not the project's 2.14.1: PyPI's aarch64 wheels of torch 2.11 and later are
+# CUDA 13 builds (454 MB for 2.14.1) that require the CUDA wheels on every Linux machine
+# (cuda-toolkit, nvidia-cudnn-cu13, nccl, nvshmem, triton: gigabytes, useless on a device
+# without an NVIDIA GPU, and the import fails without them); 2.10.0 is the newest CPU-only one
+# (146 MB; its CUDA requirements are for x86_64 only). TORCH=torch==2.14.1 installs the CUDA
+# build with all of that; the PyTorch CPU index (--index-url https://download.pytorch.org/whl/cpu)
+# is where CPU builds are published, but it is unreachable here and was not checked.
+TORCH=${TORCH:-torch==2.10.0}
 FLWR=${FLWR:-flwr==1.41.0}
 
 [ "$(id -u)" = 0 ] || { echo "arm64_install.sh: must run as root" >&2; exit 1; }
@@ -74,17 +81,22 @@ mount_once -t proc proc "$ROOT/proc"
 mount_once -t sysfs sysfs "$ROOT/sys"
 mount_once --bind /dev "$ROOT/dev"
 mount_once --bind /dev/pts "$ROOT/dev/pts"
+# pip trusts the host's CA bundle: the Debian CAs plus any local CA the host's network needs
+# (a TLS-inspecting proxy, as here); apt above fetches over plain HTTP with signed indexes
+cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/host-ca-certificates.crt"
+PIP="$ENV/bin/pip install --cert /etc/ssl/host-ca-certificates.crt --no-compile --progress-bar off"
 
 step apt-python "$ROOT/usr/lib/python3/dist-packages/pip" \
     "in_root sh -c 'apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 --no-install-recommends python3 python3-venv python3-pip ca-certificates'"
-step venv "$ROOT$ENV/bin/python" "in_root python3 -m venv $ENV"
-step pip-torch "$ROOT$ENV/.torch-done" \
-    "in_root $ENV/bin/pip install --progress-bar off $TORCH && touch $ROOT$ENV/.torch-done"
+step venv "$ROOT$ENV/.venv-done" "rm -rf $ROOT$ENV && in_root python3 -m venv $ENV \
+&& touch $ROOT$ENV/.venv-done"
+# --no-compile: byte-compiling every module of the wheels (thousands of torch's) is emulated
+# Python, far slower than the download; Python compiles (and caches) what it imports instead
+step pip-torch "$ROOT$ENV/.torch-done" "in_root $PIP $TORCH && touch $ROOT$ENV/.torch-done"
 # scipy: the App's run config imports the strategy registry (its assignment solver)
 step pip-flwr "$ROOT$ENV/.flwr-done" \
-    "in_root $ENV/bin/pip install --progress-bar off $FLWR numpy scipy \
-&& touch $ROOT$ENV/.flwr-done"
+    "in_root $PIP $FLWR numpy scipy && touch $ROOT$ENV/.flwr-done"
 in_root "$ENV/bin/python" -c 'import platform, torch, flwr, numpy, scipy
 print(platform.machine(), torch.__version__, flwr.__version__, numpy.__version__,
       scipy.__version__)'

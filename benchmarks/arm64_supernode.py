@@ -1,8 +1,9 @@
 """An ARM64 SuperNode in a fleet: an aarch64 device's upload fused with x86-64 clients'.
 
 The device is an arm64 Debian userland on this x86-64 machine (``benchmarks/arm64_install.sh``:
-debootstrap, qemu-user through binfmt_misc, PyPI's aarch64 wheels of torch and flwr in a
-venv), so every instruction of its SuperNode, SuperExec and ClientApp runs emulated. It
+debootstrap, qemu-user through binfmt_misc, PyPI's aarch64 wheels of torch 2.10.0 (the
+newest CPU-only one: later ones are CUDA builds that pull in the CUDA wheels) and flwr 1.41.0
+in a venv), so every instruction of its SuperNode, SuperExec and ClientApp runs emulated. It
 joins, as a device owner would (docs/deploy.md), a SuperLink on 127.0.0.1 (x86-64, TLS and
 SuperNode authentication) next to ``--x86-clients`` SuperNodes of this machine; each device
 trains the same ClientApp on its own data file (``client-data='local'``, Fashion-MNIST demo
@@ -78,6 +79,13 @@ INSTALL = REPO / "benchmarks" / "arm64_install.sh"
 #: the device's venv inside the chroot (arm64_install.sh) and its own files
 ENV = "/opt/fedfusion-env"
 DEVICE = "/var/lib/fedfusion"
+#: why the chroot's torch is not the project's 2.14.1 (benchmarks/arm64_install.sh)
+TORCH_NOTE = ("torch 2.10.0, not 2.14.1: PyPI's aarch64 wheels of torch 2.11.0 and later are "
+              "CUDA 13 builds (2.14.1: 454 MB) whose metadata requires cuda-toolkit, "
+              "nvidia-cudnn-cu13, nccl, cusparselt, nvshmem and triton on every Linux machine; "
+              "2.10.0 (146 MB) is the newest whose CUDA requirements are for x86_64 only. "
+              "The 2.14.1 install was started here and stopped once pip, having downloaded "
+              "the 454 MB wheel, began collecting the CUDA wheels.")
 #: Raspberry Pi 5 (Cortex-A76, 2.4 GHz): 2 NEON pipes x 4 float32 lanes x 2 (FMA) per cycle
 PI5_PEAK_GFLOPS = 2 * 4 * 2 * 2.4
 
@@ -99,6 +107,7 @@ def in_root(root: Path, *command: str, env: dict[str, str] | None = None
 PROBE = """
 import json, platform, time
 t = time.perf_counter()
+from flwr.supernode.cli import flwr_clientapp
 import flwr.supernode.runtime.run_clientapp
 flwr_s = time.perf_counter() - t
 t = time.perf_counter()
@@ -360,6 +369,7 @@ def main() -> None:
         "arm64_processes": sorted(watch.seen.values(), key=lambda p: p["pid"]),
         "arm64_clientapp_cpu_s": max((p["cpu_s"] for p in apps), default=None),
         "install": install_log(root),
+        "torch_note": TORCH_NOTE,
         "estimate": estimate(args.samples, args.epochs, args.native_gflops),
         "load_average_end": os.getloadavg(),
     }
