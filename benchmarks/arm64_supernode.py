@@ -33,9 +33,9 @@ It records, in benchmarks/results/arm64_supernode.json:
   (``throughput.json``: samples/s x FLOPs/sample over the measured GEMM rate). The
   emulated GEMM rate inside the chroot is measured too, to show what emulation costs.
 
-    sudo .venv/bin/python benchmarks/arm64_supernode.py [--root /srv/arm64]
-        [--work /tmp/arm64-supernode] [--x86-clients 2] [--samples 1000] [--epochs 1]
-        [--skip-install]
+    sudo env PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/arm64_supernode.py
+        [--root /srv/arm64] [--work /tmp/arm64-supernode] [--x86-clients 2]
+        [--samples 1000] [--epochs 1] [--skip-install]
 
 Needs root (chroot, mounts). It first runs ``arm64_install.sh`` (each step skipped when done;
 it also mounts /proc, /sys, /dev into the chroot); ``--skip-install`` only checks the chroot.
