@@ -47,7 +47,13 @@ def live_run_in_process(run_config: str, out: str, name: str) -> dict:
         if results.get("status") == "ok":
             print(f"reusing {done}")
             return results
-    mapping = dict(item.split("=", 1) for item in shlex.split(run_config))
+    def value(text: str) -> object:  # as flwr run reads it: numbers and booleans typed
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+    mapping = {k: value(v) for k, v in (item.split("=", 1) for item in shlex.split(run_config))}
     settings = Settings.from_mapping({**mapping, "output-dir": out, "run-name": name})
     return run_server(settings, InProcessGrid(settings))
 
