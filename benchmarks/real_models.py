@@ -304,8 +304,8 @@ def modes_members(live: dict, clients: int) -> dict[str, object]:
 
 
 #: by-design refusals (the message's words): PFNM matches the zoo's plain MLP only; DENSE
-#: synthesises float inputs only
-REFUSALS = {"pfnm": "pfnm matches mlps only", "dense": "integer"}
+#: synthesises float inputs only; OTFusion aligns neither attention nor embeddings
+REFUSALS = {"pfnm": "pfnm matches mlps only", "dense": "int", "otfusion": "cannot align"}
 
 
 def refused(method: str, error: str | None) -> bool:
@@ -477,7 +477,8 @@ def status_cell(rows: list[dict], method: str) -> str | None:
     if not entries or any(e["status"] == "ok" for e in entries):
         return None
     if all(e["status"] == "refused" for e in entries):
-        return {"pfnm": "refused: MLPs only", "dense": "refused: integer inputs"}[method]
+        return {"pfnm": "refused: MLPs only", "dense": "refused: integer inputs",
+                "otfusion": "refused: cannot align"}[method]
     return "failed (see JSON)"
 
 
