@@ -37,6 +37,7 @@ from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
 from fedfusion.state import load_models
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.strategies.fens.client import is_aggregator_round
+from fedfusion.strategies.requirements import ALL_REQUIREMENTS
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, decode_models, encode_upload
 
 log = logging.getLogger("fedfusion")
@@ -77,7 +78,8 @@ def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module],
     models = load_models(broadcast_states(msg), model_fn, "the server's member")
     content = _content(msg)
     if models and "config" in content:
-        check_received(models[0], content["config"], None if x is None else x[:DRY_ROWS])
+        check_received(models[0], content["config"], None if x is None else x[:DRY_ROWS],
+                       checks=ALL_REQUIREMENTS)
     return models
 
 

@@ -59,6 +59,7 @@ from fedfusion.device import client_device
 from fedfusion.model_check import DRY_ROWS, check_received
 from fedfusion.strategies.fens import HOLDOUT_KEY
 from fedfusion.strategies.fens import client as fens_client
+from fedfusion.strategies.requirements import ALL_REQUIREMENTS
 from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_members
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 
@@ -258,7 +259,8 @@ def run_client(
             member_terms.append(loss_terms(model, objective,
                                            previous[m] if m < len(previous) else None, stack))
         # what the server's strategy cannot fuse is refused before any member trains
-        check_received(models[0], server_config or {}, x[:DRY_ROWS], spec.name)
+        check_received(models[0], server_config or {}, x[:DRY_ROWS], spec.name,
+                       checks=ALL_REQUIREMENTS)
         # all members in one computation where the model allows it (fedfusion.accel.stacked)
         all_stats = train_members(models, x, y, train_config, seeds, member_terms,
                                   accelerate=settings.accelerate)

@@ -40,7 +40,7 @@ def client_device(name: str, client_id: int | str) -> torch.device:
     ``torch.cuda.is_available()``, else the CPU; ``cuda`` / ``cuda:i`` must exist here.
     Raises ValueError naming ``client_id`` otherwise."""
     if not CLIENT_DEVICE_PATTERN.fullmatch(name):
-        raise ValueError(f"client {client_id}: client-device={name!r} must be 'auto', 'cpu', "
+        raise ValueError(f"client {client_id}: device {name!r} must be 'auto', 'cpu', "
                          "'cuda' or 'cuda:<i>'")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,12 +49,12 @@ def client_device(name: str, client_id: int | str) -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise ValueError(
-                f"client {client_id}: client-device={name!r} but this process sees no CUDA "
+                f"client {client_id}: device {name!r} but this process sees no CUDA "
                 "device (torch.cuda.is_available() is False: a CPU-only torch build, no "
                 "driver, or no GPU share given, e.g. client-resources-num-gpus=0 in a "
-                "simulation); use client-device='auto' or 'cpu'")
+                "simulation); use device 'auto' or 'cpu'")
         if device.index is not None and device.index >= count:
-            raise ValueError(f"client {client_id}: client-device={name!r} but this process "
+            raise ValueError(f"client {client_id}: device {name!r} but this process "
                              f"sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

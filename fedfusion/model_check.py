@@ -18,8 +18,9 @@ training for nothing; :func:`check_model` finds it first, on the untrained model
 
    * ``"float-inputs"``: the strategy generates the inputs (DENSE, Co-Boosting);
    * ``"synthetic-distill"``: ``distill="synthetic"`` generates them;
-   * ``"mlp"``: PFNM (:func:`fedfusion.strategies.pfnm.not_an_mlp`);
-   * ``"alignable"``: OTFusion (:func:`fedfusion.strategies.otfusion.alignment_structure`).
+   * ``"mlp"``: PFNM (:func:`fedfusion.strategies.pfnm.not_an_mlp`), and ``"alignable"``:
+     OTFusion (:func:`fedfusion.strategies.otfusion.alignment_structure`), each declared by
+     its strategy (``requirement_checks``; this module imports no strategy).
 
 The server runs it once when a strategy is constructed
 (:class:`~fedfusion.strategies.fusion.Fusion`), on the network its architecture builds; the
@@ -82,31 +83,12 @@ def _synthetic_distill(model: nn.Module, name: str, x: torch.Tensor | None,
             + NO_SYNTHETIC_REASON.format(dtype="integer"))
 
 
-def _mlp(model: nn.Module, name: str, x: torch.Tensor | None,
-         first: tuple[str, nn.Module] | None, strategy: str) -> str | None:
-    # imported here: the strategies import this module
-    from fedfusion.strategies.pfnm import not_an_mlp
-
-    return not_an_mlp(model, name)
-
-
-def _alignable(model: nn.Module, name: str, x: torch.Tensor | None,
-               first: tuple[str, nn.Module] | None, strategy: str) -> str | None:
-    from fedfusion.strategies.otfusion import alignment_structure
-
-    try:
-        alignment_structure(model)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-#: every requirement a strategy can declare, by the name the train config carries
+#: the requirements of this module, by the name the train config carries; a strategy adds
+#: its own (``requirement_checks``: PFNM's ``"mlp"``, OTFusion's ``"alignable"``), and
+#: :data:`fedfusion.strategies.requirements.ALL_REQUIREMENTS` holds every one
 REQUIREMENTS: dict[str, Requirement] = {
     "float-inputs": _float_inputs,
     "synthetic-distill": _synthetic_distill,
-    "mlp": _mlp,
-    "alignable": _alignable,
 }
 
 
@@ -141,17 +123,19 @@ def check_model(
     num_classes: int = 0,
     name: str | None = None,
     strategy: str = "the strategy",
+    checks: Mapping[str, Requirement] = REQUIREMENTS,
 ) -> dict[str, Any]:
     """The module docstring's check of ``model`` (architecture ``name``, default its class
     name) for ``strategy`` and its ``requirements``: the dry forward on ``x[:DRY_ROWS]`` (else
     zeros of ``input_shape``; neither: no forward), then every requirement. Returns what was
     checked (``rows``, ``dtype``, ``output_shape`` or None without a forward, and
     ``requirements``); raises :class:`ModelRefused` naming the problem. The model's
-    train/eval modes and the caller's RNG are left as they were."""
+    train/eval modes and the caller's RNG are left as they were. ``checks``: the function of
+    each requirement name (the strategy's own beside :data:`REQUIREMENTS`)."""
     name = name or type(model).__name__
-    unknown = [r for r in requirements if r not in REQUIREMENTS]
+    unknown = [r for r in requirements if r not in checks]
     if unknown:
-        raise ValueError(f"unknown model requirement(s) {unknown}; known: {sorted(REQUIREMENTS)}")
+        raise ValueError(f"unknown model requirement(s) {unknown}; known: {sorted(checks)}")
     if x is None and input_shape:
         x = dry_inputs(model, input_shape)
     checked: dict[str, Any] = {"rows": 0, "dtype": None, "output_shape": None,
@@ -189,14 +173,15 @@ def check_model(
                                f"input(s) before any training, {problem}")
         checked.update(rows=len(x), dtype=str(x.dtype), output_shape=list(out.shape))
     for requirement in requirements:
-        reason = REQUIREMENTS[requirement](model, name, x, first, strategy)
+        reason = checks[requirement](model, name, x, first, strategy)
         if reason is not None:
             raise ModelRefused(reason)
     return checked
 
 
 def check_received(model: nn.Module, config: Mapping[str, Any], x: torch.Tensor | None,
-                   name: str | None = None) -> dict[str, Any] | None:
+                   name: str | None = None, checks: Mapping[str, Requirement] = REQUIREMENTS
+                   ) -> dict[str, Any] | None:
     """The client's side: :func:`check_model` of ``model`` for the strategy and the
     requirements the server's train ``config`` names, on the client's inputs ``x``. A
     requirement this client does not know (a newer server) is skipped with a warning: the
@@ -210,10 +195,10 @@ def check_received(model: nn.Module, config: Mapping[str, Any], x: torch.Tensor 
         raise ValueError(f"the server's train config {REQUIREMENTS_KEY!r} must be a list of "
                          f"names, got {type(listed).__name__}")
     requirements = [str(r) for r in listed]
-    for unknown in [r for r in requirements if r not in REQUIREMENTS]:
+    for unknown in [r for r in requirements if r not in checks]:
         log.warning("model requirement %r of %s is unknown to this client; not checked here",
                     unknown[:60], strategy)
-    requirements = [r for r in requirements if r in REQUIREMENTS]
+    requirements = [r for r in requirements if r in checks]
     if name is None and "model" in config:
         name = str(config["model"])
-    return check_model(model, requirements, x=x, name=name, strategy=strategy)
+    return check_model(model, requirements, x=x, name=name, strategy=strategy, checks=checks)

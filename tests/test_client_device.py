@@ -45,7 +45,7 @@ def test_auto_is_the_cpu_here_and_cuda_is_refused_naming_the_client():
     assert client_device("auto", 3) == torch.device("cpu")
     assert client_device("cpu", 3) == torch.device("cpu")
     for name in ("cuda", "cuda:0", "cuda:1"):
-        with pytest.raises(ValueError, match=rf"client 7: client-device='{name}' but this "
+        with pytest.raises(ValueError, match=rf"client 7: device '{name}' but this "
                                              "process sees no CUDA device"):
             client_device(name, 7)
     with pytest.raises(ValueError, match="client 7"):
@@ -86,7 +86,7 @@ def test_explicit_cpu_and_auto_give_the_same_upload_and_report_the_cpu(small_set
 @no_gpu
 def test_a_client_asked_for_cuda_fails_before_training(small_settings):
     settings = small_settings.replace(client_device="cuda", train_subset=600, local_epochs=1)
-    with pytest.raises(ValueError, match="client 1: client-device='cuda'"):
+    with pytest.raises(ValueError, match="client 1: device 'cuda'"):
         _client(settings)
 
 
@@ -163,5 +163,5 @@ def test_a_federation_reports_each_clients_device_and_excludes_a_cuda_client_by_
     with pytest.raises(RuntimeError, match="0 valid upload") as failed:
         run_server(cuda, InProcessGrid(cuda))
     for client in range(settings.num_clients):
-        assert f"client {client}: client-device='cuda' but this process sees no CUDA" in str(
+        assert f"client {client}: device 'cuda' but this process sees no CUDA" in str(
             failed.value)

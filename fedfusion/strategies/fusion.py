@@ -26,7 +26,7 @@ import math
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -42,7 +42,7 @@ from fedfusion.evaluation import (
     predict_log_probs,
     resolve_device,
 )
-from fedfusion.model_check import check_model
+from fedfusion.model_check import REQUIREMENTS, Requirement, check_model
 from fedfusion.normalization import NORM_STATS, recalibrate, running_stat_layers
 from fedfusion.predictors import Ensemble
 from fedfusion.state import state_arrays
@@ -184,6 +184,9 @@ class Fusion(ABC):
     #: what a model must satisfy to be fused by this strategy, by name
     #: (:data:`fedfusion.model_check.REQUIREMENTS`), checked before anything trains
     model_requirements: ClassVar[tuple[str, ...]] = ()
+    #: the functions of this strategy's own requirements, beside
+    #: :data:`fedfusion.model_check.REQUIREMENTS`
+    requirement_checks: ClassVar[Mapping[str, Requirement]] = {}
 
     #: False where the predictor is finished later than :meth:`fuse` (FENS' aggregator
     #: rounds), which then distils it itself
@@ -309,7 +312,7 @@ class Fusion(ABC):
         self.model_check = check_model(
             network, self.requirements, x=val_data.x if has_val else None,
             input_shape=spec.input_shape, num_classes=spec.num_classes, name=spec.name,
-            strategy=self.name)
+            strategy=self.name, checks={**REQUIREMENTS, **self.requirement_checks})
         #: BatchNorm layers with running statistics in the server's network: what
         #: ``norm_stats`` acts on (0: the rule changes nothing)
         self.running_stat_layers = len(running_stat_layers(network))

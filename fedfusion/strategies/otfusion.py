@@ -605,6 +605,15 @@ class _GraphAnalysis:
         return Structure(tuple(layers), channelwise, len(order))
 
 
+def alignment_problem(model: nn.Module) -> str | None:
+    """Why OTFusion cannot align ``model`` (:func:`alignment_structure`'s error), or None."""
+    try:
+        alignment_structure(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def alignment_structure(model: nn.Module) -> Structure:
     """The permutation groups of ``model`` (module docstring), from its traced graph; build
     it on the meta device, only the structure is read. Raises ValueError naming the first
@@ -765,6 +774,8 @@ class OTFusion(FusionStrategy):
 
     name = "otfusion"
     model_requirements = ("alignable",)
+    requirement_checks = {"alignable": lambda model, name, x, first, strategy:
+                          alignment_problem(model)}
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  mode: str = "weights", **kwargs: Any):

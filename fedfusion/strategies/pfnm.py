@@ -286,6 +286,7 @@ class PFNM(FusionStrategy):
 
     name = "pfnm"
     model_requirements = ("mlp",)
+    requirement_checks = {"mlp": lambda model, name, x, first, strategy: not_an_mlp(model, name)}
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  sigma: float = 1.0, sigma0: float = 1.0,
