@@ -476,7 +476,7 @@ def status_cell(rows: list[dict], method: str) -> str | None:
     entries = [r["methods"][method] for r in rows if method in r["methods"]]
     if not entries or any(e["status"] == "ok" for e in entries):
         return None
-    if all(e["status"] == "refused" for e in entries):
+    if all(e["status"] == "refused" or refused(method, e.get("error")) for e in entries):
         return {"pfnm": "refused: MLPs only", "dense": "refused: integer inputs",
                 "otfusion": "refused: cannot align"}[method]
     return "failed (see JSON)"
