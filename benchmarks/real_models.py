@@ -39,7 +39,7 @@ key             model (model-kwargs)                parameters train rows  epoch
 ``resnet_nobn`` resnet20 ``{"norm": "none",         77,418     2,000       10      32     12
                 "blocks": 1}`` (ResNet-8)
 ``ln_mlp``      ln_mlp (2 x 128, LayerNorm)         118,794    20,000      10      64     200
-``vit``         vit (7x7 patches, 2 layers, dim 64) 71,946     6,000       10      64     20
+``vit``         vit (7x7 patches, 2 layers, dim 64) 71,946     3,000       5       64     20
 ``token_        token_transformer on digits         11,530     1,200       30      32     -
 transformer``   (1 layer, dim 32)                              (all)
 ==============  ==================================  =========  ==========  ======  =====  =====
@@ -129,7 +129,7 @@ MODELS: dict[str, dict] = {
     "ln_mlp": {"model": "ln_mlp", "kwargs": {}, "label": "LayerNorm MLP (ln_mlp, 2 x 128)",
                "subset": 20_000, "epochs": 10, "batch": 64, "dense_epochs": 200, "bn": False},
     "vit": {"model": "vit", "kwargs": {}, "label": "vision transformer (vit: 7x7 patches, "
-            "2 encoder layers, dim 64)", "subset": 6_000, "epochs": 10, "batch": 64,
+            "2 encoder layers, dim 64)", "subset": 3_000, "epochs": 5, "batch": 64,
             "dense_epochs": 20, "bn": False},
     # integer tokens: DENSE cannot synthesise them and refuses the model by design
     "token_transformer": {"model": "token_transformer", "kwargs": {}, "dataset": "digits",
