@@ -78,9 +78,6 @@ def wire_uploads(data) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-
 def fuse_and_score(fuser, records, test) -> tuple[list, torch.Tensor, float]:
     """Decode the wire ``records`` for ``fuser``, fuse them (no client excluded) and return
     the uploads, the predictor's log-probabilities on ``test`` (finite) and its accuracy."""
@@ -95,6 +92,8 @@ def fuse_and_score(fuser, records, test) -> tuple[list, torch.Tensor, float]:
     return uploads, log_probs, float((log_probs.argmax(1) == y).float().mean())
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploads):
     name, kwargs = FAMILIES[family]
     spec = ModelSpec(name, INPUT_SHAPE, 10, kwargs)
