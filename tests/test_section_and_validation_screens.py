@@ -134,7 +134,7 @@ def direction_attack(data: dict, kind: str) -> ClientUpload:
 # ------------------------------------------------------------------ item 1: curvature, Gram
 CURVATURE_REASON = (r"client 3: {what} screened out as an outlier: member [01] section "
                     r"{section} layer \S+: trace per example \S+ is \S+x the clients' median "
-                    r"\S+ \(curvature_screen_factor 30\)(; \d+ more entries above it)?")
+                    r"\S+ \(curvature_screen_factor 1000\)(; \d+ more entries above it)?")
 
 
 @pytest.mark.parametrize("make, section, kwargs, drop", [
@@ -365,7 +365,7 @@ def test_agreement_scores_by_hand():
 
 # ------------------------------------------------------------------ the knobs
 def test_the_knobs_are_checked_and_their_defaults_are_the_run_configs():
-    assert (Settings().curvature_screen_factor, Settings().val_screen) == (30.0, True)
+    assert (Settings().curvature_screen_factor, Settings().val_screen) == (1000.0, True)
     signature = inspect.signature(Fusion.__init__).parameters
     assert signature["curvature_screen_factor"].default == Settings().curvature_screen_factor
     assert signature["val_screen"].default == Settings().val_screen
@@ -404,7 +404,7 @@ def test_a_run_names_the_direction_attacker_in_results_json(small_settings):
         r"\S+ expected of its own predictions by chance \(margin \S+, 1000 rows\)",
         excluded["reason"]), excluded["reason"]
     assert live["screening"]["val_screen"] is True
-    assert live["screening"]["curvature_screen_factor"] == 30.0
+    assert live["screening"]["curvature_screen_factor"] == 1000.0
     off = run_server(settings.replace(run_name="unscreened", val_screen=False,
                                       replay=f"{live['output_dir']}/uploads"))
     assert off["excluded"] == [] and off["screening"]["val_screen"] is False

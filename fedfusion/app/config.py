@@ -114,7 +114,7 @@ class Settings:
     # robust aggregation (fedfusion.strategies.screening): weight-norm, curvature/Gram and
     # validation screens, count cap
     screen_factor: float = 10.0
-    curvature_screen_factor: float = 30.0
+    curvature_screen_factor: float = 1000.0
     val_screen: bool = True
     num_examples_cap: float = 3.0
     # one network out of any fused predictor (fedfusion.distillation)
