@@ -21,14 +21,22 @@ PAPER_STARTS = "fedbens-starts='median'"
 PAPER_ALGORITHM = f"{PAPER_STARTS} server-patience=0"
 
 
-def live_run(run_config: str, out: str, name: str) -> dict:
-    """``launch`` a run named ``name`` under ``out``, unless it already finished there."""
+def finished_run(out: str, name: str) -> dict | None:
+    """The results of run ``name`` under ``out`` if it finished ("ok"), else None."""
     done = Path(out) / name / "results.json"
     if done.is_file():
         results = json.loads(done.read_text())
         if results.get("status") == "ok":
             print(f"reusing {done}")
             return results
+    return None
+
+
+def live_run(run_config: str, out: str, name: str) -> dict:
+    """``launch`` a run named ``name`` under ``out``, unless it already finished there."""
+    done = finished_run(out, name)
+    if done is not None:
+        return done
     return launch(f"{run_config} output-dir='{out}' run-name={name}")
 
 
@@ -41,12 +49,9 @@ def live_run_in_process(run_config: str, out: str, name: str) -> dict:
     from fedfusion.app.inprocess import InProcessGrid
     from fedfusion.server_app import run_server
 
-    done = Path(out) / name / "results.json"
-    if done.is_file():
-        results = json.loads(done.read_text())
-        if results.get("status") == "ok":
-            print(f"reusing {done}")
-            return results
+    done = finished_run(out, name)
+    if done is not None:
+        return done
     def value(text: str) -> object:  # as flwr run reads it: numbers and booleans typed
         try:
             return json.loads(text)
