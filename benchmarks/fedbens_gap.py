@@ -36,7 +36,7 @@ from fedfusion.app.federation import federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.predictors import load_predictor
 from fedfusion.server_app import replay_settings
-from fedfusion.strategies.starts import clustered_starts
+from fedfusion.strategies.fedbens.starts import clustered_starts
 
 RESULTS = REPO / "benchmarks" / "results" / "fedbens_gap.json"
 TEMPERATURES = (0.5, 2.0)

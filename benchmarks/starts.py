@@ -131,7 +131,7 @@ def gap_of(name: str, results: dict) -> None:
     from fedfusion.app.config import Settings, default_model
     from fedfusion.app.federation import federated_split
     from fedfusion.architecture import ModelSpec
-    from fedfusion.strategies.starts import clustered_starts
+    from fedfusion.strategies.fedbens.starts import clustered_starts
 
     clients, uploads_dir = SETS[name]
     settings, uploads, _ = replay_settings(Settings(replay=str(uploads_dir)))

@@ -16,14 +16,13 @@ from fedfusion.curvature import (
     DiagCurvature,
     DiagFullCurvature,
     KronCurvature,
-    MixtureObjective,
     StackedGaussians,
     curvature_from_arrays,
     fit_curvature,
-    mixture_log_posterior,
 )
 from fedfusion.curvature.fit import fit_laplace, kron_from_laplace, last_layer_block
 from fedfusion.models import build_model
+from fedfusion.strategies.fedbens.objective import MixtureObjective, mixture_log_posterior
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from conftest import InProcessGrid
 
-from fedfusion.curvature import MixtureObjective, fit_curvature
+from fedfusion.curvature import fit_curvature
 from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
-from fedfusion.strategies.server_optim import clip_per_run
+from fedfusion.strategies.fedbens.objective import MixtureObjective, mixture_log_posterior
+from fedfusion.strategies.fedbens.server_optim import clip_per_run
 from fedfusion.wire import ClientUpload
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
@@ -55,7 +56,7 @@ def test_one_client_one_member_optimum_is_the_map(structure):
     def objective(point):
         w = {k: torch.tensor(np.asarray(v), dtype=torch.float64)[None].requires_grad_()
              for k, v in point.items()}
-        value = strategy.objective(w, stacked, owner, 1)
+        value = mixture_log_posterior(w, stacked, owner, 1, strategy.prior_var)
         value.sum().backward()
         return float(value), max(float(v.grad.abs().max()) for v in w.values())
 
@@ -245,7 +246,7 @@ def test_member_starts_climb_from_every_member_to_a_mode_each():
     def value(point: dict) -> float:  # on the strategy's device (a GPU where there is one)
         w = {k: torch.as_tensor(v, dtype=torch.float64, device=strategy.context.device)[None]
              for k, v in point.items()}
-        return float(strategy.objective(w, stacked, owner, 3)[0])
+        return float(mixture_log_posterior(w, stacked, owner, 3, strategy.prior_var)[0])
 
     for start, mode in zip(starts, modes, strict=True):
         assert value(mode) > value(start)

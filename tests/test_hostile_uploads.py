@@ -28,6 +28,7 @@ from fedfusion.models import build_model
 from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
+from fedfusion.strategies.fedbens.objective import mixture_log_posterior
 from fedfusion.strategies.fusion import FusionContext
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
@@ -272,7 +273,7 @@ def test_fedbens_objective_stays_finite_at_the_caps(eigenvalue, finite):
     stacked, owner = strategy.build_posterior(uploads)
     for point in [uploads[0].weights(0), *strategy.starting_points(uploads)]:
         w = {k: torch.tensor(v)[None] for k, v in point.items()}
-        value = strategy.objective(w, stacked, owner, 2)
+        value = mixture_log_posterior(w, stacked, owner, 2, strategy.prior_var)
         assert bool(torch.isfinite(value).all()) is finite, value
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_fedbens import TINY, tiny_upload
 
 from fedfusion.strategies import FedBEns
-from fedfusion.strategies.starts import (
+from fedfusion.strategies.fedbens.starts import (
     clustered_starts,
     member_weights,
     sorted_median,

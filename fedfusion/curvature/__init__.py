@@ -1,11 +1,11 @@
-"""Laplace curvature of one-shot FL members and the FedBEns mixture objective.
+"""Laplace curvature of one-shot FL members and the stacked Gaussian family over them.
 
 Client side: :func:`fit_curvature` fits laplace-torch to a trained member and returns one
 :class:`Curvature` per structure (``kron``: :class:`KronCurvature`, ``diag``:
 :class:`DiagCurvature`, ``diag_full``: :class:`DiagFullCurvature`), serialisable with
 ``to_arrays`` / ``from_arrays``. Server side: :class:`StackedGaussians` evaluates the exact
-Gaussian log-densities of all members at R candidate points at once and
-:func:`mixture_log_posterior` the FedBEns objective (Eq. 5).
+Gaussian log-densities of all members at R candidate points at once (FedBEns' objective over
+them is :mod:`fedfusion.strategies.fedbens.objective`).
 """
 
 from collections.abc import Mapping
@@ -24,14 +24,11 @@ from fedfusion.curvature.fit import (
     import_laplace,
 )
 from fedfusion.curvature.kron import KronCurvature
-from fedfusion.curvature.mixture import (
-    MixtureObjective,
+from fedfusion.curvature.stacked_gaussians import (
     StackedDiag,
     StackedDiagFull,
     StackedGaussians,
     StackedKron,
-    log_prior,
-    mixture_log_posterior,
 )
 from fedfusion.state import StateLayout, kron_parameters, parameter_shapes
 
@@ -95,7 +92,6 @@ __all__ = [
     "KronCurvature",
     "StackedDiag",
     "StackedDiagFull",
-    "MixtureObjective",
     "StackedGaussians",
     "StackedKron",
     "curvature_blocks",
@@ -103,6 +99,4 @@ __all__ = [
     "fit_curvature",
     "fit_laplace",
     "import_laplace",
-    "log_prior",
-    "mixture_log_posterior",
 ]

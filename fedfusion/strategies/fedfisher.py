@@ -67,7 +67,7 @@ from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.server_optim import ServerOptimiser
+from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 log = logging.getLogger("fedfusion")

@@ -11,11 +11,11 @@ Lambda_m^c = H_m^c / T + I / sigma^2. The server maximises the global log poster
 from R = max_c M_c starting points, run r starting at the per-parameter median over clients
 of member r (Algorithm 1, line 21), with Adam and a per-run gradient-norm clip, the R runs
 batched into one computation (each client's logsumexp evaluated on the members that carry
-weight at the current point: :class:`~fedfusion.curvature.MixtureObjective`), each keeping
-its best iterate on the server validation set (or, without one, the best-objective iterate
-after ``server-steps-noval`` = 100 steps, the paper's Appendix C.4 protocol): see
-:mod:`fedfusion.strategies.server_optim`. The prediction is the ensemble of the R modes,
-p(y|x) = 1/R sum_r softmax(f(x; w_r)).
+weight at the current point: :class:`~fedfusion.strategies.fedbens.objective.MixtureObjective`),
+each keeping its best iterate on the server validation set (or, without one, the
+best-objective iterate after ``server-steps-noval`` = 100 steps, the paper's Appendix C.4
+protocol): see :mod:`fedfusion.strategies.fedbens.server_optim`. The prediction is the
+ensemble of the R modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)).
 
 Departures from the reference code: the validation set is held out from the training data
 (the reference draws it from the clients' data); the starting iterate (step 0) is a
@@ -43,18 +43,17 @@ from torch import nn
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.curvature import (
     STRUCTURES,
-    MixtureObjective,
     StackedGaussians,
     curvature_blocks,
     curvature_from_arrays,
-    mixture_log_posterior,
 )
 from fedfusion.normalization import has_running_stats
 from fedfusion.predictors import Ensemble
 from fedfusion.sections import curvature_section
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.server_optim import ServerOptimiser
-from fedfusion.strategies.starts import clustered_starts, member_starts, per_index_starts
+from fedfusion.strategies.fedbens.objective import MixtureObjective
+from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
+from fedfusion.strategies.fedbens.starts import clustered_starts, member_starts, per_index_starts
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 #: where FedBEns' server runs start (see ``starts``)
@@ -111,7 +110,8 @@ class FedBEns(FusionStrategy):
         0.67-0.73). ``"members"``: one run from every uploaded member (sum_c M_c runs, C
         times the server work), so the ensemble holds the modes nearest each client's own
         solutions. ``"clustered"``: ``num_starts`` runs from the weighted K-medoids of the
-        members in parameter space (:func:`~fedfusion.strategies.starts.clustered_starts`),
+        members in parameter space
+        (:func:`~fedfusion.strategies.fedbens.starts.clustered_starts`),
         the member starts at a bounded cost. ``"auto"``: ``"mean"`` for a model with
         BatchNorm running statistics (measured on the real-models benchmark,
         docs/strategies.md), ``"clustered"`` otherwise (with ``patience=4``: on the paper's
@@ -209,11 +209,6 @@ class FedBEns(FusionStrategy):
                                                 dtype=self.dtype)
         return stacked, torch.tensor(owner, device=self.context.device)
 
-    def objective(self, w: dict[str, torch.Tensor], stacked: StackedGaussians,
-                  owner: torch.Tensor, num_clients: int) -> torch.Tensor:
-        """``[R]`` global log posterior (Eq. 5) at the R stacked points ``w``."""
-        return mixture_log_posterior(w, stacked, owner, num_clients, self.prior_var)
-
     def start_rule(self) -> str:
         """The ``starts`` rule in force: ``"auto"`` resolved against the model."""
         if self.starts != "auto":
@@ -268,7 +263,7 @@ class FedBEns(FusionStrategy):
         log.info("[fedbens] %d clients, %d components (%s), %d run(s) x %d Adam steps on %s",
                  num_clients, stacked.num_components, self.structure, len(starts),
                  self.optimiser.steps, self.context.device)
-        # the same objective as self.objective, evaluated on the components that carry weight
+        # Eq. 5 (objective.mixture_log_posterior), evaluated on the components that carry weight
         self.mixture = MixtureObjective(stacked, owner, num_clients, self.prior_var,
                                         self.prune_margin, self.refresh_every)
         return self.optimiser.maximise(self.mixture, starts, self.context,
