@@ -50,8 +50,8 @@ from common import REPO
 from fedfusion import setup_logging  # noqa: E402
 from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
-from fedfusion.gaussianity import DISTANCES  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
+from fedfusion.strategies.swa.gaussianity import DISTANCES  # noqa: E402
 
 BUDGET = {"train-subset": 6000, "num-rounds": 5, "local-epochs": 2, "lr": 0.05}
 PAPER_SPLITS = ((0.3, 0.3, 0.3), (0.5, 0.2, 0.2), (0.7, 0.1, 0.1))

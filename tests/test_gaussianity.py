@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from fedfusion.gaussianity import (
+from fedfusion.strategies.swa.gaussianity import (
     DISTANCES,
     binned_distributions,
     gaussianity_distance,

@@ -22,7 +22,7 @@ from fedfusion.strategies import (
     FedAvg,
     StatisticalWeightAggregation,
 )
-from fedfusion.strategies.swa import (
+from fedfusion.strategies.swa.strategy import (
     SWA_DISTANCES,
     buffer_owners,
     gaussianity_scores,

@@ -36,7 +36,7 @@ Choices the paper leaves open (made here, and tested):
   entries differ by rounding only, so their standardised "shape" is noise).
   :func:`gaussianity_distance` returns 0 for them (no evidence of non-Gaussianity); SWA
   averages a layer that is degenerate for any client by size (see
-  :mod:`fedfusion.strategies.swa`).
+  :mod:`fedfusion.strategies.swa.strategy`).
 * **Normalisation layers.** A BatchNorm/LayerNorm ``weight`` or ``bias`` is a 1-D tensor,
   one entry per channel, usually near 1 (weights) or near 0 (biases). Nothing here depends on
   a tensor's rank, and both statistics are invariant to shift and scale, so a near-constant

@@ -6,7 +6,8 @@ client's uploaded tensor:
 
 * ``Gd_{n,l}``: the distance of ``w_{n,l}`` from a Gaussian, ``swa-distance`` = ``hos``
   (``|k3 k4|``) or ``renyi<a>`` (``D_a`` to an N(0, 1) sample), paper Eq. 3-6, computed
-  on the standardised weights: see :mod:`fedfusion.gaussianity` for the choices made there;
+  on the standardised weights: see :mod:`fedfusion.strategies.swa.gaussianity` for the
+  choices made there;
 * ``r_{n,l} = Gd_{n,l} / M_l`` with ``M_l = max_n Gd_{n,l}`` (Eq. 7);
 * ``a_{n,l} = r_{n,l} s_n / sum_k r_{k,l} s_k`` with ``s_n`` = the client's number of
   examples when ``swa-size-weighting`` is on, else 1;
@@ -36,11 +37,11 @@ module a buffer belongs to, is read from the server's model (built on the meta d
   included: the distances are shift and scale invariant, so a near-constant tensor is
   measured by the shape of its deviations, like any layer.
 * Where the distance is undefined for ANY client's tensor of a layer
-  (:func:`fedfusion.gaussianity.is_degenerate`: fewer than 4 entries, e.g. a LayerNorm over 3
-  features, or constant up to float32 rounding, e.g. a bias still at its zero init), the
-  whole layer is the size-weighted average (``r = 1`` for every client). Scoring such a
-  tensor 0 would read "undefined" as "Gaussian" and give that client's layer weight 0 next
-  to any client whose tensor has a distance.
+  (:func:`fedfusion.strategies.swa.gaussianity.is_degenerate`: fewer than 4 entries, e.g.
+  a LayerNorm over 3 features, or constant up to float32 rounding, e.g. a bias still at its
+  zero init), the whole layer is the size-weighted average (``r = 1`` for every client).
+  Scoring such a tensor 0 would read "undefined" as "Gaussian" and give that client's layer
+  weight 0 next to any client whose tensor has a distance.
 * A buffer is not a weight and has no Gaussianity weight of its own (running variances are
   positive, counters are counts): it takes the weights ``a_{n,l}`` of the layer it belongs
   to, its module's ``weight`` parameter (``bn.running_mean`` and ``bn.running_var`` are
@@ -66,9 +67,9 @@ import torch
 from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
 from fedfusion.state import weighted_average
 from fedfusion.strategies.fedavg import FedAvg
+from fedfusion.strategies.swa.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
 from fedfusion.wire import ClientUpload, NumpyDict
 
 #: the ``swa-distance`` choices
@@ -79,7 +80,7 @@ def gaussianity_scores(arrays: Sequence[NumpyDict], distance: str, seed: int = 0
                        names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """``Gd_{n,l}`` (Eq. 6) per tensor name (``names``, default every entry of ``arrays[0]``):
     one value per client, NaN where that client's tensor has no defined distance
-    (:func:`~fedfusion.gaussianity.is_degenerate`); all ones for ``uniform``."""
+    (:func:`~fedfusion.strategies.swa.gaussianity.is_degenerate`); all ones for ``uniform``."""
     if distance not in SWA_DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; choose one of "
                          f"{', '.join(SWA_DISTANCES)}")
