@@ -19,7 +19,7 @@ training for nothing; :func:`check_model` finds it first, on the untrained model
    * ``"float-inputs"``: the strategy generates the inputs (DENSE, Co-Boosting);
    * ``"synthetic-distill"``: ``distill="synthetic"`` generates them;
    * ``"mlp"``: PFNM (:func:`fedfusion.strategies.pfnm.not_an_mlp`), and ``"alignable"``:
-     OTFusion (:func:`fedfusion.strategies.otfusion.alignment_structure`), each declared by
+     OTFusion (:func:`fedfusion.strategies.alignment.graph.alignment_structure`), each declared by
      its strategy (``requirement_checks``; this module imports no strategy).
 
 The server runs it once when a strategy is constructed

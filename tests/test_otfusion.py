@@ -19,17 +19,16 @@ from fedfusion.client import make_upload
 from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.predictors import ModelSpec
 from fedfusion.strategies import FedAvg
-from fedfusion.strategies.fusion import FusionContext
-from fedfusion.strategies.otfusion import (
-    OTFusion,
+from fedfusion.strategies.alignment.graph import layer_chain, structure_of
+from fedfusion.strategies.alignment.transport import (
     activation_cost,
     align,
     layer_activations,
-    layer_chain,
-    structure_of,
     transport_map,
     weight_cost,
 )
+from fedfusion.strategies.fusion import FusionContext
+from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.wire import ClientUpload
 
 SPECS = {

@@ -78,8 +78,8 @@ from torch import nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
 from fedfusion.predictors import Ensemble
+from fedfusion.strategies.alignment.graph import Layer, layer_chain
 from fedfusion.strategies.base import FusionStrategy
-from fedfusion.strategies.otfusion import Layer, layer_chain
 from fedfusion.wire import ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")
