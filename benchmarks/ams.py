@@ -16,7 +16,7 @@ server broadcasts), PFNM (sigma^2 = sigma0^2 = gamma0 = 1, 5 iterations). One-sh
 federation is trained ONCE per (partition, N, seed) with ``run_client`` from the server's
 broadcast init (the ClientApp's code path), its uploads cached with
 ``fedfusion.upload_store`` under ``--out``, and EVERY method fuses the SAME uploads through
-``strategy.fuse_uploads`` and is evaluated by ``fedfusion.evaluation.evaluate`` on the
+``strategy.fuse_uploads`` and is evaluated by ``fedfusion.core.evaluation.evaluate`` on the
 10,000 FMNIST test images. 3 seeds, mean +- sd (sample sd).
 
 Budget: the whole script (60 federations) is sized for <= 20 minutes of wall on the 2
@@ -53,8 +53,8 @@ from fedfusion.app.config import (
 )
 from fedfusion.app.federation import federated_split  # noqa: E402
 from fedfusion.client_app import client_settings, run_client  # noqa: E402
-from fedfusion.evaluation import evaluate  # noqa: E402
-from fedfusion.predictors import ModelSpec  # noqa: E402
+from fedfusion.core.evaluation import evaluate  # noqa: E402
+from fedfusion.core.predictors import ModelSpec  # noqa: E402
 from fedfusion.server_app import initial_models  # noqa: E402
 from fedfusion.strategies import (  # noqa: E402
     PFNM,

@@ -357,9 +357,9 @@ def why(args: argparse.Namespace) -> None:
     """Per (alpha, seed) with both normalisations: what the input scale changes upstream of
     the server (the members and their Laplace curvature), printed and saved."""
     from fedfusion.app.federation import federated_split
-    from fedfusion.architecture import ModelSpec
+    from fedfusion.core.architecture import ModelSpec
+    from fedfusion.core.evaluation import evaluate
     from fedfusion.curvature import curvature_from_arrays
-    from fedfusion.evaluation import evaluate
     from fedfusion.upload_store import load_uploads
     from fedfusion.wire import WEIGHTS
 

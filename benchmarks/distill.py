@@ -30,9 +30,9 @@ from common import REPO
 from fedfusion.app.config import Settings, build_strategy, default_model  # noqa: E402
 from fedfusion.app.federation import federated_split  # noqa: E402
 from fedfusion.app.inprocess import InProcessGrid  # noqa: E402
-from fedfusion.architecture import ModelSpec  # noqa: E402
+from fedfusion.core.architecture import ModelSpec  # noqa: E402
+from fedfusion.core.evaluation import evaluate  # noqa: E402
 from fedfusion.distillation import distil  # noqa: E402
-from fedfusion.evaluation import evaluate  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 from fedfusion.upload_store import load_uploads  # noqa: E402
 
@@ -127,7 +127,7 @@ def main() -> None:
 
 
 def _fedavg_start(spec, uploads):
-    from fedfusion.state import weighted_average
+    from fedfusion.core.state import weighted_average
 
     return spec.build(weighted_average([u.weights(0) for u in uploads],
                                        [u.num_examples for u in uploads]))

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fedfusion.app.config import Settings  # noqa: E402
+from fedfusion.core.predictors import ModelSpec  # noqa: E402
 from fedfusion.curvature import KronCurvature  # noqa: E402
-from fedfusion.predictors import ModelSpec  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
 from fedfusion.strategies import FusionContext  # noqa: E402
 from fedfusion.upload_store import load_uploads, save_uploads  # noqa: E402

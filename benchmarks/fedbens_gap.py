@@ -33,8 +33,8 @@ from leaderboard import MEMBERS, OUT
 
 from fedfusion.app.config import Settings, default_model
 from fedfusion.app.federation import federated_split
-from fedfusion.architecture import ModelSpec
-from fedfusion.predictors import load_predictor
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.predictors import load_predictor
 from fedfusion.server_app import replay_settings
 from fedfusion.strategies.fedbens.starts import clustered_starts
 

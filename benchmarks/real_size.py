@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from common import own_peak_bytes  # noqa: E402
 
 from fedfusion import client, evaluate  # noqa: E402
-from fedfusion.architecture import ModelSpec  # noqa: E402
+from fedfusion.core.architecture import ModelSpec  # noqa: E402
 from fedfusion.curvature import KronCurvature, curvature_from_arrays  # noqa: E402
 from fedfusion.datasets import load_dataset  # noqa: E402
 from fedfusion.datasets.partition import partition_indices  # noqa: E402

@@ -4,10 +4,10 @@ positives) and on the hostile cases they are for (accuracy before and after).
 Honest part: every complete upload folder under ``<outputs>/bench-*/**/uploads`` (the
 benchmarks' live runs, read only). Per folder, on the run's own validation rows:
 
-* the validation screen (:func:`fedfusion.strategies.screening.agreement_scores`): every
+* the validation screen (:func:`fedfusion.core.screening.agreement_scores`): every
   member's accuracy a, what its own predicted-class rates score by chance e, the z-score
   (a - e) / sqrt(e (1 - e) / n), and whether it would be excluded;
-* the curvature/Gram screen (:func:`~fedfusion.strategies.screening.screen_curvature`) of
+* the curvature/Gram screen (:func:`~fedfusion.core.screening.screen_curvature`) of
   every curvature or Gram section the folder holds: per client the largest ratio of a
   layer's trace per example (capped counts) to the clients' median, and the exclusions at
   the default factor.
@@ -46,17 +46,17 @@ from common import REPO
 
 from fedfusion.app.config import Settings, build_strategy, default_model
 from fedfusion.app.federation import federated_split
-from fedfusion.architecture import ModelSpec
-from fedfusion.evaluation import evaluate, predict_log_probs
-from fedfusion.server_app import replay_settings
-from fedfusion.state import weighted_average
-from fedfusion.strategies.screening import (
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.evaluation import evaluate, predict_log_probs
+from fedfusion.core.screening import (
     agreement_scores,
     cap_num_examples,
     screen_curvature,
     screened_section,
     section_scales,
 )
+from fedfusion.core.state import weighted_average
+from fedfusion.server_app import replay_settings
 from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, WEIGHTS, ClientUpload
 
 RESULTS = REPO / "benchmarks" / "results" / "screening_false_positives.json"

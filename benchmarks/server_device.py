@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO))
 
 from fedfusion.app.config import Settings, build_strategy, default_model  # noqa: E402
 from fedfusion.app.federation import federated_split  # noqa: E402
-from fedfusion.architecture import ModelSpec  # noqa: E402
-from fedfusion.evaluation import evaluate  # noqa: E402
+from fedfusion.core.architecture import ModelSpec  # noqa: E402
+from fedfusion.core.evaluation import evaluate  # noqa: E402
 from fedfusion.upload_store import load_uploads  # noqa: E402
 from fedfusion.wire import ClientUpload  # noqa: E402
 

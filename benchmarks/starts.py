@@ -42,8 +42,8 @@ import torch
 from common import REPO
 
 from fedfusion.app.replay import replay  # noqa: E402
-from fedfusion.evaluation import predict_log_probs  # noqa: E402
-from fedfusion.predictors import load_predictor  # noqa: E402
+from fedfusion.core.evaluation import predict_log_probs  # noqa: E402
+from fedfusion.core.predictors import load_predictor  # noqa: E402
 from fedfusion.server_app import replay_settings  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "starts.json"
@@ -130,7 +130,7 @@ def gap_of(name: str, results: dict) -> None:
     """The gap analysis of upload set ``name`` (see the module docstring)."""
     from fedfusion.app.config import Settings, default_model
     from fedfusion.app.federation import federated_split
-    from fedfusion.architecture import ModelSpec
+    from fedfusion.core.architecture import ModelSpec
     from fedfusion.strategies.fedbens.starts import clustered_starts
 
     clients, uploads_dir = SETS[name]

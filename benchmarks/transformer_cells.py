@@ -1,5 +1,5 @@
 """Every strategy on the zoo's two transformers through the library API: which cells fuse,
-which are refused by design before training (fedfusion.model_check), which fail.
+which are refused by design before training (fedfusion.core.model_check), which fail.
 
     PYTHONPATH=.:benchmarks:tests OMP_NUM_THREADS=1 .venv/bin/python benchmarks/transformer_cells.py
 
@@ -22,9 +22,9 @@ from conftest import label_skewed_fmnist
 from test_integer_inputs import split_digits, train
 
 from fedfusion import client
-from fedfusion.architecture import ModelSpec
-from fedfusion.evaluation import evaluate
-from fedfusion.model_check import ModelRefused
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.evaluation import evaluate
+from fedfusion.core.model_check import ModelRefused
 from fedfusion.strategies import STRATEGIES
 
 SECTIONS = ["curvature.kron", "curvature.diag", "gram"]

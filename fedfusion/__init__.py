@@ -25,13 +25,13 @@ __version__ = "0.1.0"
 #: public name -> module that defines it (imported on first use: ``import fedfusion`` stays
 #: light, and no submodule import cycles through this package)
 _EXPORTS = {
-    "evaluate": "fedfusion.evaluation",
-    "ModelSpec": "fedfusion.architecture",
+    "evaluate": "fedfusion.core.evaluation",
+    "ModelSpec": "fedfusion.core.architecture",
     "ClientUpload": "fedfusion.wire",
     "UploadError": "fedfusion.wire",
-    "LocalGrid": "fedfusion.local",
-    "load_predictor": "fedfusion.predictors",
-    "save_predictor": "fedfusion.predictors",
+    "LocalGrid": "fedfusion.flower.local",
+    "load_predictor": "fedfusion.core.predictors",
+    "save_predictor": "fedfusion.core.predictors",
 }
 
 __all__ = [*_EXPORTS, "client", "strategies", "setup_logging"]

@@ -28,13 +28,19 @@ import torch
 from flwr.app import Message, RecordDict
 from torch import nn
 
+from fedfusion.core.evaluation import LabelledData, as_labelled
+from fedfusion.core.model_check import DRY_ROWS, check_received
+from fedfusion.core.state import load_models
 from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.device import DEVICE_METRIC, device_metric, model_device
-from fedfusion.evaluation import LabelledData, as_labelled
-from fedfusion.model_check import DRY_ROWS, check_received
+from fedfusion.flower.train_config import (
+    MODEL_KEY,
+    MODEL_KWARGS_KEY,
+    OPTIONAL_SECTIONS_KEY,
+    SECTIONS_KEY,
+)
 from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
-from fedfusion.state import load_models
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.strategies.fens.client import is_aggregator_round
 from fedfusion.strategies.requirements import ALL_REQUIREMENTS
@@ -71,9 +77,9 @@ def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module],
     """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights (the
     throw-away init draws from a fork of torch's global RNG: the caller's does not advance),
     checked for the strategy the message names before anything trains
-    (:func:`fedfusion.model_check.check_received`: the strategy's requirements, and with
+    (:func:`fedfusion.core.model_check.check_received`: the strategy's requirements, and with
     ``x``, a few of the client's inputs, a dry forward on them). A model the strategy cannot
-    fuse raises :class:`~fedfusion.model_check.ModelRefused` naming the module and the
+    fuse raises :class:`~fedfusion.core.model_check.ModelRefused` naming the module and the
     alternative."""
     models = load_models(broadcast_states(msg), model_fn, "the server's member")
     content = _content(msg)
@@ -86,8 +92,8 @@ def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module],
 def requested_sections(msg: Message | RecordDict) -> tuple[list[str], list[str]]:
     """(required, optional) upload sections the server asks for in the train config."""
     config = _content(msg)["config"] if "config" in _content(msg) else {}
-    required = list(config.get("sections", [WEIGHTS]))
-    optional = [s for s in config.get("optional-sections", []) if s not in required]
+    required = list(config.get(SECTIONS_KEY, [WEIGHTS]))
+    optional = [s for s in config.get(OPTIONAL_SECTIONS_KEY, []) if s not in required]
     return required, optional
 
 
@@ -233,10 +239,10 @@ def reply(
     """
     sections, optional = requested_sections(msg)
     config = msg.content["config"] if "config" in msg.content else {}
-    if model_name is None and "model" in config:
-        model_name = str(config["model"])
-        if model_kwargs is None and "model-kwargs" in config:
-            model_kwargs = json.loads(str(config["model-kwargs"]))
+    if model_name is None and MODEL_KEY in config:
+        model_name = str(config[MODEL_KEY])
+        if model_kwargs is None and MODEL_KWARGS_KEY in config:
+            model_kwargs = json.loads(str(config[MODEL_KWARGS_KEY]))
     upload = make_upload(
         models, x, y, sections, optional_sections=optional,
         client_id=msg.metadata.dst_node_id if client_id is None else client_id,

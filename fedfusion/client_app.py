@@ -51,12 +51,13 @@ from torch import nn
 from fedfusion import setup_logging
 from fedfusion.app.config import ConfigError, Settings, default_model
 from fedfusion.app.federation import client_for_partition, federated_split, holdout_split
-from fedfusion.architecture import ModelSpec
 from fedfusion.client import broadcast_states, make_upload, requested_sections
 from fedfusion.contrastive import ContrastiveTerm
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.model_check import DRY_ROWS, check_received
 from fedfusion.datasets.local_file import LocalDataError, normalise, read_local_data
 from fedfusion.device import client_device
-from fedfusion.model_check import DRY_ROWS, check_received
+from fedfusion.flower.train_config import ROUND_KEY
 from fedfusion.strategies.fens import HOLDOUT_KEY
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.strategies.requirements import ALL_REQUIREMENTS
@@ -337,7 +338,7 @@ def handle_train(settings: Settings, client_id: int, content: RecordDict, state:
         previous.append({k: v.numpy() for k, v in state[previous_key(len(previous))].items()})
     sections, optional = requested_sections(content)
     upload = run_client(settings, client_id, broadcast_states(content), sections,
-                        int(config.get("server-round", 1)), optional, objective, previous,
+                        int(config.get(ROUND_KEY, 1)), optional, objective, previous,
                         server_config=config)
     if contrastive:
         for m in range(upload.num_members):

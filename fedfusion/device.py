@@ -4,7 +4,7 @@
 A client's data stays on the CPU; every consumer (training, curvature, Grams, FENS'
 features) moves one batch at a time to the device of the model it is given, so a dataset
 that does not fit in GPU memory still trains there. Uploads are always built from CPU copies
-(:func:`fedfusion.state.state_arrays`, :func:`fedfusion.curvature.base.to_numpy`), so their
+(:func:`fedfusion.core.state.state_arrays`, :func:`fedfusion.curvature.base.to_numpy`), so their
 arrays have the same layout whatever the device.
 
 The device travels in an upload as the metric :data:`DEVICE_METRIC`, an integer (Flower's

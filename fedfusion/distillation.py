@@ -33,10 +33,10 @@ alike (``log_softmax`` removes the constant). The inputs (``mode``):
   ``"augment_skipped"``, the reason).
 
 * ``"synthetic"``: no data at all: DENSE's class-conditional generator
-  (:class:`fedfusion.strategies.dense.Generator`) is trained against the teacher with DENSE's
+  (:class:`fedfusion.synthesis.Generator`) is trained against the teacher with DENSE's
   adversarial loss, L_G = CE(log t(G(z, y)), y) - mean_i [m_i KL(p_t,i || p_s,i)]
   + 0.1 * R_input(G(z, y)) (m_i = 1 where teacher and student disagree, R_input the distance
-  of the batch's per-channel statistics to N(0, 1): see :mod:`fedfusion.strategies.dense`),
+  of the batch's per-channel statistics to N(0, 1): see :mod:`fedfusion.strategies.datafree.dense`),
   one Adam step per student step; each generated batch and its teacher log-probabilities go
   into a pool of the last 10 batches, from which every student step draws its batch. The
   images lie in the per-channel range of ``val.x`` (else DENSE's fallback range). An epoch

@@ -40,7 +40,7 @@ and in RegMean, which builds the server's model on the meta device.
   exactly one array per Linear/Conv2d weight, of the module's size;
 * else, a layout that knows the module types (:func:`layout_gram_sizes`: a ``{name: shape}``
   mapping with a ``kron`` attribute naming the parameters of Linear/Conv2d modules, as
-  :class:`fedfusion.state.StateLayout`, which the server builds from the model): the same,
+  :class:`fedfusion.core.state.StateLayout`, which the server builds from the model): the same,
   exact;
 * else (a plain ``{name: shape}`` mapping) the SHAPE RULE, :func:`expected_gram_sizes`: every
   array must be named after a 2-D or 4-D ``*weight`` parameter and have the size that
@@ -195,7 +195,7 @@ def expected_gram_sizes(param_shapes: Mapping[str, tuple[int, ...]]) -> dict[str
 def layout_gram_sizes(param_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int] | None:
     """Gram side per Linear/Conv2d weight when ``param_shapes`` says which parameters belong
     to Linear/Conv2d modules (its ``kron`` attribute, as a
-    :class:`fedfusion.state.StateLayout`'s); None for a plain ``{name: shape}`` mapping."""
+    :class:`fedfusion.core.state.StateLayout`'s); None for a plain ``{name: shape}`` mapping."""
     kron = getattr(param_shapes, "kron", None)
     if kron is None:
         return None

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.core.state import state_arrays
 from fedfusion.curvature import (
     DEFAULT_BACKEND,
     STRUCTURES,
@@ -24,7 +25,6 @@ from fedfusion.curvature import (
     fit_curvature,
 )
 from fedfusion.curvature.fit import param_shapes
-from fedfusion.state import state_arrays
 from fedfusion.wire import WEIGHTS, NumpyDict, ParamShapes, SectionValidator, register_section
 
 

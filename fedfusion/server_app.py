@@ -5,7 +5,7 @@ Outputs of a run, in ``<output-dir>/<run-name>/``:
 
 * ``results.json``: settings, test/validation metrics, per-round metrics, per-client
   histogram, training time and upload size, excluded clients with reasons, timings;
-* ``predictor.pt``: the global predictor (:func:`fedfusion.predictors.load_predictor`);
+* ``predictor.pt``: the global predictor (:func:`fedfusion.core.predictors.load_predictor`);
 * ``uploads/``: the clients' uploads of a one-shot run (replay them with ``replay=...``).
 """
 
@@ -38,15 +38,15 @@ from fedfusion.app.config import (
 )
 from fedfusion.app.federation import FederatedSplit, federated_split
 from fedfusion.app.inprocess import InProcessGrid
-from fedfusion.architecture import ModelSpec
 from fedfusion.client_app import data_description
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.evaluation import evaluate, resolve_device
+from fedfusion.core.predictors import Ensemble, save_predictor
+from fedfusion.core.screening import capped_reason
+from fedfusion.core.state import state_arrays
 from fedfusion.datasets import load_dataset
 from fedfusion.device import DEVICE_METRIC, device_label
-from fedfusion.evaluation import evaluate, resolve_device
-from fedfusion.predictors import Ensemble, save_predictor
-from fedfusion.state import state_arrays
 from fedfusion.strategies import FENS, FusionStrategy
-from fedfusion.strategies.screening import capped_reason
 from fedfusion.upload_store import UploadWriter, load_uploads, make_folder, open_no_follow
 from fedfusion.wire import ClientUpload
 
@@ -299,7 +299,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
             teacher, bundle.test.x, bundle.test.y, device, settings.eval_batch_size),
             results["test"])
         eval_seconds[0] += time.perf_counter() - start
-    # robust aggregation (fedfusion.strategies.screening): the claims every strategy weighted
+    # robust aggregation (fedfusion.core.screening): the claims every strategy weighted
     # by less than claimed, what could not be screened, and the fused model against chance
     results["capped_claims"] = strategy.capped_claims
     weighted = {r["client_id"]: r["capped_to"] for r in strategy.capped_claims}

@@ -60,7 +60,7 @@ ENTRY_FIELDS: dict[str, type] = {
 #: the upload came from. ``node_id``: the Flower node (null without Flower);
 #: ``claimed_client_id``: the id the upload claimed, a label where the server decided
 #: ``client_id`` from the node; ``client_id_source``: how it decided
-#: (:mod:`fedfusion.strategies.identity`)
+#: (:mod:`fedfusion.flower.identity`)
 OPTIONAL_ENTRY_FIELDS: dict[str, type] = {
     "node_id": int, "claimed_client_id": int, "client_id_source": str,
 }
@@ -122,7 +122,7 @@ class UploadWriter:
 
     :meth:`write` stores one upload's arrays at once (``node_<node id>.npz``, or
     ``upload_<n>.npz`` without a node: its client id may still change); calling the writer
-    with the round's uploads (it is an ``upload_sink``, :class:`~fedfusion.strategies.fusion.
+    with the round's uploads (it is an ``upload_sink``, :class:`~fedfusion.core.fusion.
     Fusion`) renames each to ``client_<final id>.npz`` (writing those not written yet),
     writes the manifest, and removes the files of uploads written but not in the round
     (excluded after they arrived). The folder is created on the first

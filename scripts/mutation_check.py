@@ -171,7 +171,7 @@ def _ensemble_fuse() -> Callable[[Any, Sequence[Any]], Any]:
 
 
 def _client0_fuse(self: Any, uploads: Sequence[Any]) -> Any:
-    from fedfusion.predictors import Ensemble
+    from fedfusion.core.predictors import Ensemble
 
     first = min(uploads, key=lambda u: u.client_id)
     spec = self.context.spec_for(first)

@@ -15,7 +15,7 @@ from conftest import InProcessGrid
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import client_settings, settings_for_node
-from fedfusion.predictors import (
+from fedfusion.core.predictors import (
     MaxLogitSelector,
     ModelSpec,
     load_predictor,

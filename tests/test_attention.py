@@ -23,13 +23,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.architecture import ModelSpec
 from fedfusion.capture import linear_maps
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.state import StateLayout
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.curvature.fit import fit_curvature
 from fedfusion.curvature.hybrid import hybrid_kron_fit
 from fedfusion.gram import layer_grams, model_gram_sizes
-from fedfusion.state import StateLayout
 
 DIM, HEADS, TOKENS, CLASSES = 4, 2, 5, 3
 

@@ -13,9 +13,9 @@ from conftest import InProcessGrid, initial_models
 from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
-from fedfusion.architecture import ModelSpec
 from fedfusion.client import make_upload
 from fedfusion.client_app import run_client, settings_for_node
+from fedfusion.core.architecture import ModelSpec
 from fedfusion.device import DEVICE_METRIC, client_device, device_label, device_metric
 from fedfusion.server_app import client_table, run_server
 from fedfusion.wire import decode_upload, encode_upload

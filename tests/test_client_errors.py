@@ -10,8 +10,8 @@ import traceback
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
+from fedfusion.flower.client_errors import ClientError, parse_client_error
 from fedfusion.strategies import FedAvg
-from fedfusion.strategies.client_errors import ClientError, parse_client_error
 
 
 class PartitionError(Exception):

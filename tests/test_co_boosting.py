@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedfusion.predictors import ModelSpec, load_predictor
-from fedfusion.strategies.co_boosting import (
+from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.strategies.datafree.co_boosting import (
     ODS_TEMPERATURE,
     CoBoosting,
     WeightedLogitEnsemble,

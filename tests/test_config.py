@@ -9,7 +9,7 @@ from conftest import initial_models
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import member_seed
-from fedfusion.predictors import ModelSpec
+from fedfusion.core.predictors import ModelSpec
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

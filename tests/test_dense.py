@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.core.normalization import running_stat_layers
+from fedfusion.core.predictors import ModelSpec, load_predictor
 from fedfusion.datasets import ImageData, load_dataset
-from fedfusion.normalization import running_stat_layers
-from fedfusion.predictors import ModelSpec, load_predictor
-from fedfusion.strategies.dense import (
+from fedfusion.strategies.datafree.dense import (
     Dense,
     LogitEnsemble,
     SamplePool,

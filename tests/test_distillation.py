@@ -18,11 +18,11 @@ from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.replay import replay
+from fedfusion.core.evaluation import Labelled
+from fedfusion.core.fusion import Fusion
+from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor
 from fedfusion.distillation import DistillOptions, augment, distil, kd_loss, mixup
-from fedfusion.evaluation import Labelled
-from fedfusion.predictors import Ensemble, ModelSpec, load_predictor
 from fedfusion.strategies import FedAvg, UniformEnsemble
-from fedfusion.strategies.fusion import Fusion
 from fedfusion.wire import ClientUpload
 
 REPO = Path(__file__).resolve().parents[1]

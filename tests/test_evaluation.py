@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from fedfusion.evaluation import ECE_BINS, classification_metrics, evaluate
-from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
+from fedfusion.core.evaluation import ECE_BINS, classification_metrics, evaluate
+from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 
 
 def brute_force_ece(probs: torch.Tensor, y: torch.Tensor) -> float:

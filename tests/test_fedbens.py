@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import InProcessGrid
 
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.curvature import fit_curvature
-from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.objective import MixtureObjective, mixture_log_posterior

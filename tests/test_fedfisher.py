@@ -12,11 +12,11 @@ import torch
 from test_fedbens import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.state import weighted_average
 from fedfusion.curvature import curvature_from_arrays
-from fedfusion.state import weighted_average
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
-from fedfusion.strategies.fusion import FusionContext
 from fedfusion.wire import ClientUpload
 
 CONTEXT = FusionContext(TINY)

@@ -16,7 +16,7 @@ from flwr.clientapp import ClientApp
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
 from fedfusion.app.inprocess import InProcessGrid
-from fedfusion.predictors import (
+from fedfusion.core.predictors import (
     AggregatedEnsemble,
     LogitAggregator,
     load_predictor,
@@ -188,7 +188,7 @@ def test_federated_rounds_match_brute_force_on_a_tiny_net():
 def test_saved_predictor_round_trips_and_a_bad_head_is_refused(tmp_path):
     torch.manual_seed(0)
     models = [TinyNet() for _ in range(3)]
-    from fedfusion.architecture import ModelSpec
+    from fedfusion.core.architecture import ModelSpec
 
     spec = ModelSpec.from_model_fn(TinyNet)
     spec.input_shape, spec.num_classes = (4,), 3

@@ -18,10 +18,10 @@ import torch
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
-from fedfusion.architecture import ModelSpec
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf
-from fedfusion.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.server_app import output_folder
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 
@@ -118,8 +118,8 @@ def test_an_expanded_predictor_of_16_gb_is_refused_in_bounded_memory(tmp_path):
     """A 2 KB file: a 2 x 65536 MLP whose tensors are each one float (16 GB materialised)."""
     code = """
         import resource, sys, time, torch
-        from fedfusion.architecture import ModelSpec
-        from fedfusion.predictors import load_predictor
+        from fedfusion.core.architecture import ModelSpec
+        from fedfusion.core.predictors import load_predictor
         spec = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 2, "hidden": 65536})
         with torch.device("meta"):
             shapes = {k: v.shape for k, v in spec.build().state_dict().items()}

@@ -10,7 +10,7 @@ bytes), builds RecordDicts and ClientUploads from scratch, and mutates cached up
 * :func:`load_uploads` raises :class:`UploadStoreError`, or returns uploads and
   ``(client, reason)`` failures, and every returned upload validates or is refused with an
   :class:`UploadError`.
-* :func:`~fedfusion.strategies.identity.read_client_registry` (the operator's node id ->
+* :func:`~fedfusion.flower.identity.read_client_registry` (the operator's node id ->
   client id file) returns a registry that keeps its promises or raises ``RegistryError``.
 
 Deterministic (``derandomize``) and modest (the whole file runs in well under a minute on
@@ -37,9 +37,9 @@ from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_head
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
-from fedfusion.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.flower.identity import RegistryError, check_client_registry, read_client_registry
 from fedfusion.server_app import output_folder
-from fedfusion.strategies.identity import RegistryError, check_client_registry, read_client_registry
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (
     META_KEY,

@@ -23,13 +23,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from test_wire import CONTEXT, SPEC, _corrupt, _set_array, make_upload
 
 from fedfusion.app import replay
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
-from fedfusion.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.objective import mixture_log_posterior
-from fedfusion.strategies.fusion import FusionContext
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     MAX_ABS_CURVATURE,

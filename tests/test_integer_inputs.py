@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfusion import client
-from fedfusion.architecture import ModelSpec
-from fedfusion.evaluation import as_labelled, evaluate
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.evaluation import as_labelled, evaluate
 from fedfusion.strategies import (
     AdaptiveModelSelection,
     CoBoosting,

@@ -11,10 +11,10 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.client_app import LocalObjective, handle_train, previous_key, run_client
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.predictors import ModelSpec, load_predictor
 from fedfusion.models import build_model
-from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
-from fedfusion.strategies.fusion import FusionContext
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
 from fedfusion.wire import decode_upload, encode_models
 

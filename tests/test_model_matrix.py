@@ -17,8 +17,8 @@ from conftest import label_skewed_fmnist, sgd
 from torch.nn import functional as F
 
 from fedfusion import client
-from fedfusion.architecture import ModelSpec
-from fedfusion.predictors import Ensemble
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.predictors import Ensemble
 from fedfusion.strategies import STRATEGIES, FedAvg
 from fedfusion.wire import decode_upload, encode_upload
 

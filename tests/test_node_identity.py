@@ -1,7 +1,7 @@
 """A claimed client id cannot displace another client (issue 26, item 1).
 
 Identity comes from what the server knows, the Flower node id of the message a reply answers,
-never from the ``client-id`` a reply writes (:mod:`fedfusion.strategies.identity`). The rounds
+never from the ``client-id`` a reply writes (:mod:`fedfusion.flower.identity`). The rounds
 here are driven through the strategy's own ``configure_train`` / ``aggregate_train`` with
 replies built as Flower builds them (``Message(content, reply_to=msg)``), so node ids can be
 chosen: an attacker with a LOWER node id than the honest owner, the case that used to win.
@@ -20,16 +20,16 @@ from flwr.app import ConfigRecord, Message
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings, build_strategy
-from fedfusion.architecture import ModelSpec
-from fedfusion.server_app import client_table
-from fedfusion.strategies import FedAvg
-from fedfusion.strategies.identity import (
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.flower.identity import (
     MAX_REGISTRY_BYTES,
     SERVER_ID_BASE,
     NodeIdentities,
     RegistryError,
     read_client_registry,
 )
+from fedfusion.server_app import client_table
+from fedfusion.strategies import FedAvg
 from fedfusion.upload_store import load_uploads, save_uploads
 from fedfusion.wire import encode_models, encode_upload
 

@@ -48,13 +48,13 @@ from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
 from fedfusion import client
-from fedfusion.local import ensure_task_identity
-from fedfusion.strategies import FedAvg
-from fedfusion.strategies.client_errors import (
+from fedfusion.flower.client_errors import (
     MESSAGE_UNAVAILABLE,
     NODE_UNAVAILABLE,
     REPLY_MESSAGE_UNAVAILABLE,
 )
+from fedfusion.flower.local import ensure_task_identity
+from fedfusion.strategies import FedAvg
 from fedfusion.wire import encode_models, encode_upload
 
 HEARTBEAT_S = 0.5  # Flower declares a node lost after HEARTBEAT_PATIENCE (2) x this

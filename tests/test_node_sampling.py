@@ -14,14 +14,14 @@ from flwr.app import ConfigRecord
 from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
-from fedfusion.architecture import ModelSpec
-from fedfusion.strategies import FedAvg
-from fedfusion.strategies.sampling import (
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.flower.sampling import (
     NodeWaitTimeout,
     round_generator,
     sample_nodes,
     wait_for_nodes,
 )
+from fedfusion.strategies import FedAvg
 from fedfusion.wire import encode_models
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,9 @@ from torch import nn
 
 from fedfusion import evaluate
 from fedfusion.client import make_upload
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.datasets import ImageData, load_dataset
-from fedfusion.predictors import ModelSpec
 from fedfusion.strategies import FedAvg
 from fedfusion.strategies.alignment.graph import layer_chain, structure_of
 from fedfusion.strategies.alignment.transport import (
@@ -27,7 +28,6 @@ from fedfusion.strategies.alignment.transport import (
     transport_map,
     weight_cost,
 )
-from fedfusion.strategies.fusion import FusionContext
 from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.wire import ClientUpload
 
@@ -529,7 +529,7 @@ class Untraceable(nn.Module):
     (Untraceable, 4, r"Untraceable: torch.fx cannot trace its forward"),
 ])
 def test_what_cannot_be_aligned_is_refused_naming_it(model, side, message):
-    """When the strategy is built (before any client trains: fedfusion.model_check), the
+    """When the strategy is built (before any client trains: fedfusion.core.model_check), the
     first module/operation it cannot align, and what to use instead."""
     spec = ModelSpec.from_model_fn(model, input_shape=(3, side, side), num_classes=2)
     with pytest.raises(ValueError, match=rf"^otfusion cannot align .*{message}.*"

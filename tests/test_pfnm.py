@@ -14,8 +14,8 @@ from conftest import InProcessGrid
 from torch import nn
 
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.models import build_model
-from fedfusion.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import PFNM
 from fedfusion.strategies.pfnm import match_layer

@@ -23,12 +23,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion import ClientUpload, client
-from fedfusion.architecture import ModelSpec
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.normalization import recalibrate
+from fedfusion.core.state import StateLayout, load_state_arrays, state_arrays
 from fedfusion.curvature import StackedGaussians, curvature_from_arrays
 from fedfusion.curvature.fit import fit_curvature
 from fedfusion.curvature.hybrid import hybrid_kron_fit
-from fedfusion.normalization import recalibrate
-from fedfusion.state import StateLayout, load_state_arrays, state_arrays
 from fedfusion.strategies import FedAvg, FedBEns, RegMean, UniformEnsemble
 from fedfusion.wire import (
     UploadError,

@@ -1,4 +1,4 @@
-"""Refusals before training, and saying what happened (fedfusion.model_check, the chance
+"""Refusals before training, and saying what happened (fedfusion.core.model_check, the chance
 check, the normalisation-statistics rule in every report).
 
 * A model a strategy cannot fuse by design is refused before anything trains: by the
@@ -26,8 +26,9 @@ from test_integer_inputs import TokenNet, split_digits
 from test_integer_inputs import train as adam_train
 
 from fedfusion import client
-from fedfusion.architecture import ModelSpec
-from fedfusion.model_check import REQUIREMENTS_KEY, STRATEGY_KEY, ModelRefused, check_model
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.model_check import ModelRefused, check_model
+from fedfusion.flower.train_config import REQUIREMENTS_KEY, STRATEGY_KEY
 from fedfusion.strategies import (
     PFNM,
     STRATEGIES,

@@ -11,6 +11,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.predictors import ModelSpec
+from fedfusion.core.state import weighted_average
 from fedfusion.datasets import ImageData
 from fedfusion.gram import (
     expected_gram_sizes,
@@ -21,10 +24,7 @@ from fedfusion.gram import (
     model_gram_sizes,
     validate_grams,
 )
-from fedfusion.predictors import ModelSpec
 from fedfusion.sections import build_section
-from fedfusion.state import weighted_average
-from fedfusion.strategies.fusion import FusionContext
 from fedfusion.strategies.regmean import RegMean, parse_alphas
 from fedfusion.wire import ClientUpload, UploadError, validate_upload
 
@@ -393,7 +393,7 @@ def test_gram_layers_come_from_the_module_types_not_the_shapes():
                                            "fc2.weight": 8}
     sizes = model_gram_sizes(spec.build())
     assert sizes == {"fc1.weight": 37, "fc2.weight": 8}
-    # a layout that names the Linear/Conv2d parameters (as fedfusion.state.StateLayout's kron)
+    # a layout that names the Linear/Conv2d parameters (as fedfusion.core.state.StateLayout's kron)
     layout = type("Layout", (dict,), {"kron": frozenset(
         {"fc1.weight", "fc1.bias", "fc2.weight"})})(shapes)
     assert layout_gram_sizes(layout) == sizes and layout_gram_sizes(shapes) is None

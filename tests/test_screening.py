@@ -26,9 +26,7 @@ from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
-from fedfusion.server_app import run_server
-from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
-from fedfusion.strategies.screening import (
+from fedfusion.core.screening import (
     CHANCE_MARGIN_MIN,
     NORM_FLOOR,
     cap_num_examples,
@@ -36,6 +34,8 @@ from fedfusion.strategies.screening import (
     chance_margin,
     screen_weight_norms,
 )
+from fedfusion.server_app import run_server
+from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
 from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import METRICS_KEY, member_key
 from fedfusion.wire.validation import MAX_ABS_WEIGHT

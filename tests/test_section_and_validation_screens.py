@@ -25,8 +25,17 @@ from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.core.screening import (
+    NORM_FLOOR,
+    VAL_SCREEN_SIGMAS,
+    agreement_scores,
+    chance_margin,
+    screen_curvature,
+    screen_on_validation,
+    section_scales,
+)
+from fedfusion.core.state import weighted_average
 from fedfusion.server_app import run_server
-from fedfusion.state import weighted_average
 from fedfusion.strategies import (
     FedAvg,
     FedBEns,
@@ -35,15 +44,6 @@ from fedfusion.strategies import (
     Fusion,
     FusionStrategy,
     RegMean,
-)
-from fedfusion.strategies.screening import (
-    NORM_FLOOR,
-    VAL_SCREEN_SIGMAS,
-    agreement_scores,
-    chance_margin,
-    screen_curvature,
-    screen_on_validation,
-    section_scales,
 )
 from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, ClientUpload
 from fedfusion.wire.format import member_key

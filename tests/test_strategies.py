@@ -167,8 +167,8 @@ def test_non_finite_results_are_errors_and_results_json_stays_strict():
 def test_server_optimiser_refuses_a_non_finite_objective():
     import torch
 
+    from fedfusion.core.fusion import FusionContext
     from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
-    from fedfusion.strategies.fusion import FusionContext
 
     def objective(w):  # run 1 diverged (as extreme curvature makes the log-density do)
         value = sum(v.sum(dim=tuple(range(1, v.dim()))) for v in w.values())
@@ -182,8 +182,8 @@ def test_server_optimiser_refuses_a_non_finite_objective():
 def test_a_non_finite_objective_between_evaluations_is_named_by_its_step():
     """The objectives are checked at the next evaluation, not at every step (a check waits
     for the device's queued work), and the error still names the first bad step and run."""
+    from fedfusion.core.fusion import FusionContext
     from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
-    from fedfusion.strategies.fusion import FusionContext
 
     calls = []
 

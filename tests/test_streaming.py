@@ -17,8 +17,8 @@ from conftest import TinyNet
 from flwr.app import Message
 from test_node_identity import marked_upload
 
+from fedfusion.flower.streaming import StreamingGrid
 from fedfusion.strategies import FedAvg
-from fedfusion.strategies.streaming import StreamingGrid
 from fedfusion.upload_store import MANIFEST, UploadWriter, load_uploads
 from fedfusion.wire import ClientUpload
 

@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
+from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.core.state import weighted_average
 from fedfusion.datasets import load_dataset
-from fedfusion.predictors import ModelSpec, load_predictor
 from fedfusion.server_app import run_server
-from fedfusion.state import weighted_average
 from fedfusion.strategies import (
     FedAvg,
     StatisticalWeightAggregation,

@@ -5,8 +5,8 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 
-from fedfusion.predictors import ModelSpec
-from fedfusion.strategies.fusion import FusionContext
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.upload_store import load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from fedfusion.app.paths import output_name_error
-from fedfusion.architecture import ModelSpec
+from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.normalization import NORM_STATS
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.device import CLIENT_DEVICE_PATTERN
-from fedfusion.normalization import NORM_STATS
-from fedfusion.strategies.base import FusionStrategy
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
 
 
@@ -111,7 +111,7 @@ class Settings:
     min_valid_uploads: int = 1
     member_fusion: str = ""
     norm_stats: str = "auto"
-    # robust aggregation (fedfusion.strategies.screening): weight-norm, curvature/Gram and
+    # robust aggregation (fedfusion.core.screening): weight-norm, curvature/Gram and
     # validation screens, count cap
     screen_factor: float = 10.0
     curvature_screen_factor: float = 1000.0

@@ -1,4 +1,4 @@
-"""The App's federation in this process: :class:`~fedfusion.local.LocalGrid` running
+"""The App's federation in this process: :class:`~fedfusion.flower.local.LocalGrid` running
 fedfusion's own ClientApp with the run's settings (no Ray, no gRPC).
 
 ``strategy.start(InProcessGrid(settings))`` or ``run_server(settings, InProcessGrid(settings))``
@@ -13,7 +13,7 @@ from typing import Any
 from flwr.app import Message
 
 from fedfusion.app.config import Settings
-from fedfusion.local import LocalGrid, ensure_task_identity
+from fedfusion.flower.local import LocalGrid, ensure_task_identity
 
 __all__ = ["InProcessGrid", "ensure_task_identity"]
 

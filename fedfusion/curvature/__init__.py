@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from fedfusion.core.state import StateLayout, kron_parameters, parameter_shapes
 from fedfusion.curvature.base import Curvature
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.fit import (
@@ -30,7 +31,6 @@ from fedfusion.curvature.stacked_gaussians import (
     StackedGaussians,
     StackedKron,
 )
-from fedfusion.state import StateLayout, kron_parameters, parameter_shapes
 
 
 def curvature_from_arrays(
@@ -44,7 +44,7 @@ def curvature_from_arrays(
 ) -> Curvature:
     """Rebuild a curvature of the named ``structure`` (dispatch to ``<cls>.from_arrays``).
 
-    ``param_shapes`` may be a model's :class:`~fedfusion.state.StateLayout`: the curvature
+    ``param_shapes`` may be a model's :class:`~fedfusion.core.state.StateLayout`: the curvature
     then covers its parameters (never its buffers), and a Kron curvature must have diagonal
     blocks exactly for the parameters outside Linear / Conv2d. A plain ``{name: shape}``
     mapping is taken to list parameters only. ``check_input=False`` skips the costly value

@@ -75,12 +75,12 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from fedfusion import accel
+from fedfusion.core.state import StateLayout
 from fedfusion.curvature.base import Curvature, to_numpy
 from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_layer_names
 from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
 from fedfusion.device import model_device
-from fedfusion.state import StateLayout
 
 log = logging.getLogger("fedfusion")
 

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfusion.evaluation import Labelled
+from fedfusion.core.evaluation import Labelled
 
 DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits")
 DATA_DIR_ENV = "FEDFUSION_DATA_DIR"
@@ -65,7 +65,7 @@ class DatasetNotFoundError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class ImageData(Labelled):
-    """Images and labels of one split (a :class:`fedfusion.evaluation.Labelled`).
+    """Images and labels of one split (a :class:`fedfusion.core.evaluation.Labelled`).
 
     ``x`` is float32, normalised, ``[N, C, H, W]`` and contiguous; ``y`` is int64 ``[N]``.
     The tensors are shared by every caller of the (cached) loader: treat them as read-only.

@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+from fedfusion.core.fusion import Fusion
+from fedfusion.flower.strategy import FusionResult, FusionStrategy
 from fedfusion.strategies.ams import AdaptiveModelSelection
-from fedfusion.strategies.base import FusionResult, FusionStrategy
-from fedfusion.strategies.co_boosting import CoBoosting
-from fedfusion.strategies.dense import Dense
+from fedfusion.strategies.datafree.co_boosting import CoBoosting
+from fedfusion.strategies.datafree.dense import Dense
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.fedbens import FedBEns
@@ -16,7 +17,6 @@ from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fedprox import FedProx
 from fedfusion.strategies.fens import FENS
 from fedfusion.strategies.fisher_merge import FisherMerge
-from fedfusion.strategies.fusion import Fusion
 from fedfusion.strategies.otfusion import OTFusion
 from fedfusion.strategies.pfnm import PFNM
 from fedfusion.strategies.regmean import RegMean

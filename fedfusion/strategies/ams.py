@@ -15,7 +15,7 @@ k larger than the number of models (e.g. after an excluded client) means all of 
 Clients may use different architectures with the same number of classes (paper Table 4,
 MLPs of 1..5 hidden layers): the server builds each client's network from its upload's
 ``model``/``model-kwargs``. The predictor is a
-:class:`~fedfusion.predictors.MaxLogitSelector` (saved/loaded like any predictor).
+:class:`~fedfusion.core.predictors.MaxLogitSelector` (saved/loaded like any predictor).
 
 Departures: with M > 1 members per client, each member counts as a model of its own (the
 selection runs over all N x M members), since the paper has one model per client. Ties in
@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.predictors import Ensemble, MaxLogitSelector
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble, MaxLogitSelector
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.wire import ClientUpload
 

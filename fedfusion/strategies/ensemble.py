@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from fedfusion.predictors import Ensemble
-from fedfusion.strategies.base import FusionStrategy
+from fedfusion.core.predictors import Ensemble
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.wire import ClientUpload
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.predictors import Ensemble
-from fedfusion.state import weighted_average
-from fedfusion.strategies.base import FusionStrategy
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.wire import ClientUpload, NumpyDict, UploadError
 
 

@@ -61,12 +61,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
 from fedfusion.curvature import StackedGaussians, curvature_blocks, curvature_from_arrays
-from fedfusion.predictors import Ensemble
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.sections import curvature_section
-from fedfusion.state import weighted_average
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
 from fedfusion.wire import WEIGHTS, ClientUpload
 

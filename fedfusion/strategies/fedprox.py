@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.strategies.fedavg import FedAvg
 
 

@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
 from fedfusion.curvature import DiagCurvature, curvature_from_arrays
-from fedfusion.predictors import Ensemble
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.sections import curvature_section
-from fedfusion.state import weighted_average
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.wire import WEIGHTS, ClientUpload
 
 SECTION = curvature_section("diag")

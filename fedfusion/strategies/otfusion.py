@@ -41,7 +41,7 @@ parameter used directly in ``forward``), modules called twice (shared weights), 
 channels (cat, slicing, softmax, matmul, views other than flattening; attention) and models
 ``torch.fx`` cannot trace (data-dependent control flow). Correct refusal beats a wrong
 alignment, and it comes before anything trains: the strategy's constructor, and each client
-before its training, trace the model (:mod:`fedfusion.model_check`, requirement
+before its training, trace the model (:mod:`fedfusion.core.model_check`, requirement
 ``"alignable"``).
 
 Per permutation group g, in the graph order of its first producer (layer by layer for a
@@ -97,9 +97,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.predictors import Ensemble
-from fedfusion.state import weighted_average
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.strategies.alignment.graph import Structure, alignment_problem, structure_of
 from fedfusion.strategies.alignment.transport import (
     StateDict,
@@ -108,7 +109,6 @@ from fedfusion.strategies.alignment.transport import (
     layer_activations,
     weight_cost,
 )
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
@@ -123,7 +123,7 @@ class OTFusion(FusionStrategy):
 
     The permutation groups come from the traced module graph (BatchNorm, LayerNorm and
     residual connections included); a model with anything else is refused before anything
-    trains (:mod:`fedfusion.model_check`).
+    trains (:mod:`fedfusion.core.model_check`).
 
     Parameters
     ----------

@@ -60,7 +60,7 @@ without. Matching permutes hidden neurons, so every parameter must be a neuron's
 bias: no normalisation layers (BatchNorm/LayerNorm carry per-channel parameters and running
 statistics outside that model), no convolutions, no residual connections. Any other
 architecture is refused before anything trains (when the strategy is built, and on each
-client before its training: :mod:`fedfusion.model_check`, requirement ``"mlp"``), naming the
+client before its training: :mod:`fedfusion.core.model_check`, requirement ``"mlp"``), naming the
 model's first module that is not a Linear/ReLU/Flatten layer; such models fuse with FedAvg
 (``fedavg``), AdaptiveModelSelection (``ams``) or the ensemble (``ensemble``) instead.
 """
@@ -76,10 +76,10 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.predictors import Ensemble
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.predictors import Ensemble
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.strategies.alignment.graph import Layer, layer_chain
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.wire import ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")
@@ -111,7 +111,7 @@ def not_an_mlp(model: nn.Module, name: str) -> str | None:
     """Why the network ``model`` (architecture ``name``) is no model PFNM can match: what PFNM
     takes, the first module that is not an MLP layer, and the alternatives; None for the
     zoo's ``mlp`` (the one PFNM builds its wider fused model as). Run on every model by
-    :func:`fedfusion.model_check.check_model` (requirement ``"mlp"``)."""
+    :func:`fedfusion.core.model_check.check_model` (requirement ``"mlp"``)."""
     if name == "mlp":
         return None
     found = first_non_mlp_module(model)

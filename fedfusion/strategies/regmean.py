@@ -63,12 +63,12 @@ import torch
 from torch import nn
 
 import fedfusion.sections  # noqa: F401  (registers the "gram" upload section's validator)
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.evaluation import evaluate
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.evaluation import evaluate
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.gram import check_gram_names, gram_layers, model_gram_sizes
-from fedfusion.predictors import Ensemble
-from fedfusion.state import weighted_average
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.wire import WEIGHTS, ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")

@@ -40,7 +40,7 @@ class ClientUpload:
     #: the Flower node it came from (set by the server; None for uploads made without Flower)
     node_id: int | None = field(default=None, compare=False)
     #: the client id the upload claimed, kept as a label where the server decided
-    #: ``client_id`` from the node (:mod:`fedfusion.strategies.identity`); None without Flower
+    #: ``client_id`` from the node (:mod:`fedfusion.flower.identity`); None without Flower
     claimed_client_id: int | None = field(default=None, compare=False)
     #: how the server decided ``client_id``: "claimed" (the claim, honoured), "registered"
     #: (the node's id from an earlier round), "registry" (the operator's registry), "server"

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from fedfusion.core.state import WIRE_DTYPES, StateLayout
 from fedfusion.device import DEVICE_METRIC, device_label
-from fedfusion.state import WIRE_DTYPES, StateLayout
 from fedfusion.wire.format import MAX_MEMBERS, WEIGHTS, ClientUpload, ParamShapes
 
 # ---- caps on what one client may send (module-level so that a deployment can change them)
@@ -67,7 +67,7 @@ MAX_ABS_VALUES: dict[str, float] = {
 SectionValidator = Callable[[Mapping[str, np.ndarray], ParamShapes], None]
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 #: dtypes of the ``weights`` section beyond floats: a ``state_dict``'s integer counters and
-#: bool / uint8 buffers (:mod:`fedfusion.state`); every other section holds floats only
+#: bool / uint8 buffers (:mod:`fedfusion.core.state`); every other section holds floats only
 _STATE_DTYPES = tuple(dict.fromkeys(d.type for d in WIRE_DTYPES.values()))
 #: metrics the server turns into numbers (results.json): finite and >= 0
 _TIMING_METRICS = ("train-time-s", "stats-time-s")
@@ -374,7 +374,7 @@ def check_array_names(arrays: Mapping[str, object], expected: Iterable[str],
 def _check_weight_shapes(actual: Mapping[str, tuple[int, ...]], shapes: ParamShapes,
                          dtypes: Mapping[str, np.dtype] | None = None) -> None:
     """The weights' names and shapes are exactly the model's ``state_dict``'s (``actual``:
-    name -> shape), and, where ``shapes`` is a :class:`~fedfusion.state.StateLayout` and
+    name -> shape), and, where ``shapes`` is a :class:`~fedfusion.core.state.StateLayout` and
     ``dtypes`` (name -> dtype) is given, so are their wire dtypes (a float where the model
     keeps an integer counter is refused, as is an integer parameter)."""
     check_array_names(actual, shapes, extra_hint=" (not in the server model's state_dict)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fedfusion.architecture import ModelSpec
+from fedfusion.core.architecture import ModelSpec
 
 #: what a refusal suggests instead
 ALTERNATIVE = "fuse this model with FedAvg (strategy 'fedavg') or the ensemble ('ensemble')"

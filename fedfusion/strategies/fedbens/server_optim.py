@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fedfusion.evaluation import classification_metrics
-from fedfusion.normalization import recalibrate
-from fedfusion.strategies.fusion import FusionContext
+from fedfusion.core.evaluation import classification_metrics
+from fedfusion.core.fusion import FusionContext
+from fedfusion.core.normalization import recalibrate
 
 log = logging.getLogger("fedfusion")
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedfusion.state import weighted_average
+from fedfusion.core.state import weighted_average
 from fedfusion.wire import ClientUpload, NumpyDict
 
 #: exchanges of PAM's SWAP phase at most (it converges in a handful at these sizes)

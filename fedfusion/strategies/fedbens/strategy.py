@@ -40,17 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.normalization import has_running_stats
+from fedfusion.core.predictors import Ensemble
 from fedfusion.curvature import (
     STRUCTURES,
     StackedGaussians,
     curvature_blocks,
     curvature_from_arrays,
 )
-from fedfusion.normalization import has_running_stats
-from fedfusion.predictors import Ensemble
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.sections import curvature_section
-from fedfusion.strategies.base import FusionStrategy
 from fedfusion.strategies.fedbens.objective import MixtureObjective
 from fedfusion.strategies.fedbens.server_optim import ServerOptimiser
 from fedfusion.strategies.fedbens.starts import clustered_starts, member_starts, per_index_starts

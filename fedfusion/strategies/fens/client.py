@@ -17,9 +17,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
+from fedfusion.core.predictors import LogitAggregator
+from fedfusion.core.state import load_models
 from fedfusion.device import model_device
-from fedfusion.predictors import LogitAggregator
-from fedfusion.state import load_models
+from fedfusion.flower.train_config import ROUND_KEY
 from fedfusion.strategies.fens.training import (
     AGGREGATOR_RECORD,
     HIDDEN_KEY,
@@ -87,7 +88,7 @@ def aggregator_round(content: RecordDict, state: RecordDict,
     loss = 0.0
     if len(labels):
         loss = train_locally(aggregator, z, labels, LocalTraining.from_config(config),
-                             seed * 1_000_003 + int(config.get("server-round", 0)))
+                             seed * 1_000_003 + int(config.get(ROUND_KEY, 0)))
     return RecordDict({
         AGGREGATOR_RECORD: ArrayRecord({k: Array(v.detach().cpu().numpy().copy())
                                         for k, v in aggregator.state_dict().items()}),

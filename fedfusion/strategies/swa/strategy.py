@@ -66,8 +66,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.state import weighted_average
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.state import weighted_average
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.swa.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
 from fedfusion.wire import ClientUpload, NumpyDict

@@ -25,7 +25,7 @@ PULL_INTERVAL_S = 0.5
 class StreamingGrid(Grid):
     """``grid`` with a ``send_and_receive`` that yields the replies as they arrive; every
     other call goes to ``grid`` itself. A grid whose class sets ``streams_replies = True``
-    already does this and is used as it is (:class:`~fedfusion.local.LocalGrid`)."""
+    already does this and is used as it is (:class:`~fedfusion.flower.local.LocalGrid`)."""
 
     streams_replies: ClassVar[bool] = True
 

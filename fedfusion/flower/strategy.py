@@ -2,12 +2,12 @@
 
 A :class:`FusionStrategy` is a Flower Message-API strategy
 (:class:`flwr.serverapp.strategy.Strategy`) on the fusion core
-(:class:`~fedfusion.strategies.fusion.Fusion`). Its round: broadcast the current global
+(:class:`~fedfusion.core.fusion.Fusion`). Its round: broadcast the current global
 weights (M initial models in round 1, made and seeded by the strategy) with the upload
 sections the strategy needs -> decode and validate every reply into a
 :class:`~fedfusion.wire.ClientUpload`, attributed to the node the message went to and given
-the client id the server decides (:mod:`fedfusion.strategies.identity`) -> the core's
-validate, screen and :meth:`~fedfusion.strategies.fusion.Fusion.fuse`. A reply that fails
+the client id the server decides (:mod:`fedfusion.flower.identity`) -> the core's
+validate, screen and :meth:`~fedfusion.core.fusion.Fusion.fuse`. A reply that fails
 validation, a client error and a node that does not answer in time are each excluded with
 the reason recorded in :attr:`exclusions`; the round goes on with the rest.
 """
@@ -35,28 +35,33 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.model_check import REQUIREMENTS_KEY, STRATEGY_KEY
-from fedfusion.predictors import Ensemble
-from fedfusion.state import state_arrays
-from fedfusion.strategies.client_errors import infrastructure_error, parse_client_error
-from fedfusion.strategies.fusion import FUSION_PARAMETERS, Fusion, _check, _summarise_reason
-from fedfusion.strategies.identity import (
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.fusion import FUSION_PARAMETERS, Fusion, _check, _summarise_reason
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import state_arrays
+from fedfusion.flower.client_errors import infrastructure_error, parse_client_error
+from fedfusion.flower.identity import (
     SERVER,
     Assignment,
     NodeIdentities,
     check_client_registry,
     read_client_registry,
 )
-from fedfusion.strategies.sampling import round_generator, sample_nodes, wait_for_nodes
-from fedfusion.strategies.streaming import StreamingGrid
+from fedfusion.flower.sampling import round_generator, sample_nodes, wait_for_nodes
+from fedfusion.flower.streaming import StreamingGrid
+from fedfusion.flower.train_config import (
+    MODEL_KEY,
+    MODEL_KWARGS_KEY,
+    OPTIONAL_SECTIONS_KEY,
+    REQUIREMENTS_KEY,
+    ROUND_KEY,
+    SECTIONS_KEY,
+    STRATEGY_KEY,
+)
 from fedfusion.wire import ClientUpload, UploadError, decode_upload, encode_models
 
 log = logging.getLogger("fedfusion")
 
-#: train-config keys the strategy sets (the client helpers read them)
-SECTIONS_KEY, OPTIONAL_SECTIONS_KEY, ROUND_KEY = "sections", "optional-sections", "server-round"
-MODEL_KEY, MODEL_KWARGS_KEY = "model", "model-kwargs"
 
 #: numpy-style documentation of the Flower-side arguments every strategy shares
 FLOWER_PARAMETERS = """
@@ -74,7 +79,7 @@ FLOWER_PARAMETERS = """
     node_wait_timeout : float, default 600.0
         Seconds a round waits for ``min_available_nodes`` (and ``min_train_nodes``) nodes to
         connect before it sends anything; fewer by then raise
-        :class:`~fedfusion.strategies.sampling.NodeWaitTimeout` naming how many connected
+        :class:`~fedfusion.flower.sampling.NodeWaitTimeout` naming how many connected
         of how many were required (``math.inf`` waits forever, as Flower's strategies do).
     extra_sections : sequence of str, default ()
         Upload sections asked of the clients beyond the strategy's own (e.g. ``["gram"]``),
@@ -88,7 +93,7 @@ FLOWER_PARAMETERS = """
         whatever it claims, a node not in it is excluded. Without it the server keeps its
         own registry: a node's claimed id is honoured only while no other node owns it; a
         colliding node is fused under a fresh server-assigned id, its claim kept as a
-        label (:mod:`fedfusion.strategies.identity`).
+        label (:mod:`fedfusion.flower.identity`).
 """
 
 
@@ -101,7 +106,7 @@ class FusionResult(Result):
     (``model.load_state_dict(result.arrays.to_torch_state_dict())``, as any Flower code does);
     where it is several (FedBEns' modes, ``member_fusion="each"``, the ensemble, AMS), every
     model in fedfusion's ``"<m>/<param>"`` encoding (:func:`fedfusion.wire.decode_models`).
-    ``predictor``: the fused predictor itself (log-probabilities, :mod:`fedfusion.predictors`),
+    ``predictor``: the fused predictor itself (log-probabilities, :mod:`fedfusion.core.predictors`),
     also :attr:`FusionStrategy.predictor`."""
 
     predictor: nn.Module | None = None
@@ -209,9 +214,9 @@ class FusionStrategy(Fusion, Strategy):
     ) -> Iterable[Message]:
         """Send the global arrays, the wanted upload sections and the server's architecture
         to the sampled nodes: once ``min_available_nodes`` (at least ``min_train_nodes``)
-        are connected, or :class:`~fedfusion.strategies.sampling.NodeWaitTimeout` after
+        are connected, or :class:`~fedfusion.flower.sampling.NodeWaitTimeout` after
         ``node_wait_timeout`` seconds; sampled by a generator seeded by ``seed`` and the
-        round (:mod:`fedfusion.strategies.sampling`)."""
+        round (:mod:`fedfusion.flower.sampling`)."""
         required = max(self.min_available_nodes, self.min_train_nodes)
         available = wait_for_nodes(grid, required, self.node_wait_timeout,
                                    where=f"[{self.name}] round {server_round}")
@@ -231,7 +236,7 @@ class FusionStrategy(Fusion, Strategy):
         config[SECTIONS_KEY] = list(self.required_sections)
         config[MODEL_KEY] = spec.name
         config[MODEL_KWARGS_KEY] = json.dumps(spec.kwargs, sort_keys=True)
-        # the client checks its model against them before it trains (fedfusion.model_check)
+        # the client checks its model against them before it trains (fedfusion.core.model_check)
         config[STRATEGY_KEY] = self.name
         config[REQUIREMENTS_KEY] = list(self.requirements)
         for key, value in self.client_config.items():
@@ -253,7 +258,7 @@ class FusionStrategy(Fusion, Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode + validate each reply, decide each upload's client id from its node
-        (:mod:`fedfusion.strategies.identity`), then fuse.
+        (:mod:`fedfusion.flower.identity`), then fuse.
 
         Each reply is attributed to the node its message was sent to, matched by
         ``reply_to_message_id`` to the messages :meth:`configure_train` sent: Flower's own

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.core.state import StateLayout, load_state_arrays
 from fedfusion.models import build_model
-from fedfusion.state import StateLayout, load_state_arrays
 
 ModelFn = Callable[..., nn.Module]
 

@@ -2,18 +2,18 @@
 
 A :class:`Fusion` turns client uploads (:class:`~fedfusion.wire.ClientUpload`) into a global
 predictor: validate each upload against the server's architecture, keep one upload per
-client id, screen the rest (:mod:`fedfusion.strategies.screening`: weight norms and the
+client id, screen the rest (:mod:`fedfusion.core.screening`: weight norms and the
 curvature/Gram traces of the sections the strategy fuses against the clients' median, every
 member against chance on the validation data, claimed example counts capped),
 :meth:`~Fusion.fuse` them
 (the one method a strategy implements), apply the normalisation-statistics rule
-(:mod:`fedfusion.normalization`), and check the predictor (finite, above chance: the one
+(:mod:`fedfusion.core.normalization`), and check the predictor (finite, above chance: the one
 place every strategy's result is checked and, at chance, warned about). Before any of that,
-the constructor checks the model itself (:mod:`fedfusion.model_check`: a dry forward and the
+the constructor checks the model itself (:mod:`fedfusion.core.model_check`: a dry forward and the
 strategy's requirements), so a model the strategy cannot fuse is refused before any client
 trains. Uploads
 made without Flower (:func:`fedfusion.client.make_upload`) or cached on disk go through
-:meth:`~Fusion.fuse_uploads`; :class:`~fedfusion.strategies.base.FusionStrategy` adds
+:meth:`~Fusion.fuse_uploads`; :class:`~fedfusion.flower.strategy.FusionStrategy` adds
 Flower's Message API (broadcast, replies, node identity) on top of the same path.
 """
 
@@ -33,20 +33,20 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.distillation import DistillOptions, distil
-from fedfusion.evaluation import (
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.evaluation import (
     Labelled,
     LabelledData,
     as_labelled,
     predict_log_probs,
     resolve_device,
 )
-from fedfusion.model_check import REQUIREMENTS, Requirement, check_model
-from fedfusion.normalization import NORM_STATS, recalibrate, running_stat_layers
-from fedfusion.predictors import Ensemble
-from fedfusion.state import state_arrays
-from fedfusion.strategies.screening import capped_reason, chance_check, screen_uploads
+from fedfusion.core.model_check import REQUIREMENTS, Requirement, check_model
+from fedfusion.core.normalization import NORM_STATS, recalibrate, running_stat_layers
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.screening import capped_reason, chance_check, screen_uploads
+from fedfusion.core.state import state_arrays
+from fedfusion.distillation import DistillOptions, distil
 from fedfusion.wire import (
     WEIGHTS,
     ClientUpload,
@@ -81,12 +81,12 @@ class FusionContext:
 
 
 #: numpy-style documentation of the arguments of the fusion core (appended, with
-#: :data:`fedfusion.strategies.base.FLOWER_PARAMETERS`, to each strategy's docstring, so
+#: :data:`fedfusion.flower.strategy.FLOWER_PARAMETERS`, to each strategy's docstring, so
 #: ``help(FedBEns)`` lists them all)
 FUSION_PARAMETERS = """
     model_fn : callable, nn.Module or ModelSpec
         The global architecture: ``model_fn() -> nn.Module`` (a fresh network), a template
-        module (deep-copied), or a :class:`~fedfusion.architecture.ModelSpec` (the zoo).
+        module (deep-copied), or a :class:`~fedfusion.core.architecture.ModelSpec` (the zoo).
     num_members : int, default 1
         M, the initial models the strategy broadcasts in round 1 (seeded by ``seed``); each
         client trains one member from each (FedBEns' M).
@@ -109,12 +109,12 @@ FUSION_PARAMETERS = """
         for every m, predicting with the ensemble of the M results (single-model strategies
         only); "all" = every member (the default of FedBEns and the ensembles).
     norm_stats : {"auto", "average", "recalibrate", "client"}, default "auto"
-        BatchNorm running statistics of the fused model(s) (:mod:`fedfusion.normalization`):
+        BatchNorm running statistics of the fused model(s) (:mod:`fedfusion.core.normalization`):
         the sample-weighted average of the clients', re-estimated on ``val``'s inputs, or
         each client's own where the predictor keeps client models. "auto": "client" for
         those predictors, else the strategy's measured default with ``val``, else "average".
     screen_factor : float, default 10.0
-        Robust aggregation (:mod:`fedfusion.strategies.screening`): a client whose weights
+        Robust aggregation (:mod:`fedfusion.core.screening`): a client whose weights
         hold a layer with an L2 norm above ``screen_factor`` x the median over clients of
         that layer's norm is excluded, with the layer in the reason (needs >= 3 clients;
         honest clients measured at most 4.1x; 0 = off).
@@ -183,10 +183,10 @@ class Fusion(ABC):
     #: where the predictor keeps the client models (whatever the validation set)
     default_norm_stats: ClassVar[str] = "recalibrate"
     #: what a model must satisfy to be fused by this strategy, by name
-    #: (:data:`fedfusion.model_check.REQUIREMENTS`), checked before anything trains
+    #: (:data:`fedfusion.core.model_check.REQUIREMENTS`), checked before anything trains
     model_requirements: ClassVar[tuple[str, ...]] = ()
     #: the functions of this strategy's own requirements, beside
-    #: :data:`fedfusion.model_check.REQUIREMENTS`
+    #: :data:`fedfusion.core.model_check.REQUIREMENTS`
     requirement_checks: ClassVar[Mapping[str, Requirement]] = {}
 
     #: False where the predictor is finished later than :meth:`fuse` (FENS' aggregator
@@ -276,7 +276,7 @@ class Fusion(ABC):
         self.val_screen = val_screen
         _check("num_examples_cap", num_examples_cap, math.isfinite(num_examples_cap)
                and (num_examples_cap == 0 or num_examples_cap >= 1), "0 (off) or a number >= 1")
-        #: robust aggregation (:mod:`fedfusion.strategies.screening`): the norm-screen
+        #: robust aggregation (:mod:`fedfusion.core.screening`): the norm-screen
         #: factor and the cap on claimed counts relative to the other clients (0 = off)
         self.screen_factor, self.num_examples_cap = float(screen_factor), float(num_examples_cap)
         #: every capped claim, with its round (claimed and capped counts, the others' median)
@@ -284,7 +284,7 @@ class Fusion(ABC):
         #: what screening could not do (e.g. fewer than 3 clients), with its round
         self.screen_notes: list[dict[str, Any]] = []
         #: the last fused predictor's validation accuracy against chance
-        #: (:func:`~fedfusion.strategies.screening.chance_check`); None without ``val``
+        #: (:func:`~fedfusion.core.screening.chance_check`); None without ``val``
         self.chance: dict[str, Any] | None = None
         self.uploads: list[ClientUpload] = []
         self.exclusions: list[dict[str, Any]] = []
@@ -302,7 +302,7 @@ class Fusion(ABC):
         _check("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
                "'none' or 'synthetic' without a validation set ('val' distils on its inputs: "
                "pass val=...)")
-        #: what a model must satisfy for this strategy (:mod:`fedfusion.model_check`): the
+        #: what a model must satisfy for this strategy (:mod:`fedfusion.core.model_check`): the
         #: class's requirements and its options'; sent to the clients with every round
         self.requirements: tuple[str, ...] = (
             *self.model_requirements, *(("synthetic-distill",) if distill == "synthetic" else ()))
@@ -378,7 +378,7 @@ class Fusion(ABC):
         (:func:`fedfusion.distillation.distil`), starting from the sample-weighted FedAvg of
         the first members of the clients on that architecture (where there are any; else a
         fresh init seeded by ``seed``); the report in :attr:`distill_report`."""
-        from fedfusion.state import weighted_average
+        from fedfusion.core.state import weighted_average
 
         spec = self.context.model_spec
         same = [u for u in uploads if spec.same_architecture(u.model, u.model_kwargs)]
@@ -395,7 +395,7 @@ class Fusion(ABC):
 
     def _screen(self, uploads: list[ClientUpload], server_round: int
                 ) -> tuple[list[ClientUpload], list[ClientUpload]]:
-        """:func:`~fedfusion.strategies.screening.screen_uploads` at this strategy's
+        """:func:`~fedfusion.core.screening.screen_uploads` at this strategy's
         ``screen_factor``, ``curvature_screen_factor`` (over its required sections),
         ``val_screen`` and ``num_examples_cap``: outliers excluded (:meth:`exclude`), capped
         claims and what could not be screened recorded and logged. Returns the kept uploads
@@ -523,7 +523,7 @@ class Fusion(ABC):
         """``norm_stats``: the normalisation-statistics rule in force (``rule``), what was
         asked (``requested``), why (``reason``), the layers it acts on
         (``running_stat_layers``) and those the last fusion re-estimated
-        (``recalibrated_layers``); ``model_check``: what :mod:`fedfusion.model_check` ran on
+        (``recalibrated_layers``); ``model_check``: what :mod:`fedfusion.core.model_check` ran on
         when the strategy was built."""
         return {"norm_stats": {"rule": self.norm_stats, "requested": self.norm_stats_requested,
                                "reason": self.norm_stats_reason,

@@ -23,7 +23,7 @@ training for nothing; :func:`check_model` finds it first, on the untrained model
      its strategy (``requirement_checks``; this module imports no strategy).
 
 The server runs it once when a strategy is constructed
-(:class:`~fedfusion.strategies.fusion.Fusion`), on the network its architecture builds; the
+(:class:`~fedfusion.core.fusion.Fusion`), on the network its architecture builds; the
 strategy names itself and its requirements in every round's train config
 (:data:`STRATEGY_KEY`, :data:`REQUIREMENTS_KEY`), and the client runs the same check on the
 models it was sent, with its own inputs, before its first training step
@@ -41,14 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfusion.inputs import first_called, integer_reason
+from fedfusion.core.inputs import first_called, integer_reason
+from fedfusion.flower.train_config import MODEL_KEY, REQUIREMENTS_KEY, STRATEGY_KEY
 
 log = logging.getLogger("fedfusion")
 
 #: rows of the dry forward: enough for a batch statistic, few enough to cost nothing
 DRY_ROWS = 4
 #: train-config keys: the strategy's name and the requirements the client checks
-STRATEGY_KEY, REQUIREMENTS_KEY = "strategy", "model-requirements"
 
 #: (model, architecture name, dry-forward inputs or None, first module called or None,
 #: strategy name) -> why the model fails the requirement, or None
@@ -199,6 +199,6 @@ def check_received(model: nn.Module, config: Mapping[str, Any], x: torch.Tensor 
         log.warning("model requirement %r of %s is unknown to this client; not checked here",
                     unknown[:60], strategy)
     requirements = [r for r in requirements if r in checks]
-    if name is None and "model" in config:
-        name = str(config["model"])
+    if name is None and MODEL_KEY in config:
+        name = str(config[MODEL_KEY])
     return check_model(model, requirements, x=x, name=name, strategy=strategy, checks=checks)

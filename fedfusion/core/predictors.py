@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfusion.architecture import ModelFn, ModelSpec
+from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.models import check_int
 
 

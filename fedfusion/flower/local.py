@@ -81,7 +81,7 @@ class LocalGrid(Grid):
         self._ids = itertools.count()
 
     #: replies are yielded one by one, as a streaming grid's
-    #: (:class:`~fedfusion.strategies.streaming.StreamingGrid`)
+    #: (:class:`~fedfusion.flower.streaming.StreamingGrid`)
     streams_replies: ClassVar[bool] = True
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None

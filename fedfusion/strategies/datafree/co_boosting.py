@@ -1,6 +1,6 @@
 """Co-Boosting (Dai et al., ICLR 2024): DENSE with hard samples and a re-weighted ensemble.
 
-Built on :class:`~fedfusion.strategies.dense.Dense` (same generator, pool, student, data
+Built on :class:`~fedfusion.strategies.datafree.dense.Dense` (same generator, pool, student, data
 range, statistics term and validation-based best-iterate selection; its ``dense-*`` knobs).
 Per iteration t, with members f_1..f_K (every member of every client):
 
@@ -51,8 +51,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.strategies.dense import Dense, LogitEnsemble
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.strategies.datafree.dense import Dense, LogitEnsemble
 from fedfusion.synthesis import SamplePool, kl_teacher_student
 from fedfusion.wire import ClientUpload
 

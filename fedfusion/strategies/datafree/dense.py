@@ -6,7 +6,7 @@ data, by alternating two players:
 
 * the teacher is the mean of the members' LOGITS, t(x) = 1/K sum_k f_k(x), every member with
   the same weight (the reference code's ``Ensemble_A``; not the softmax average of
-  :class:`~fedfusion.predictors.Ensemble`);
+  :class:`~fedfusion.core.predictors.Ensemble`);
 * a class-conditional generator G(z, y) (z ~ N(0, I_d), y ~ U{0..K-1}; see :class:`Generator`)
   makes images of ``model_spec.input_shape`` in the data range and minimises
 
@@ -91,7 +91,7 @@ real images 83-87% over 3 seeds against 77-90%).
 
 Integer inputs (token ids into an ``nn.Embedding``, bool masks): the generator makes float
 images and cannot make them, so such a model is refused before anything trains (the
-requirement ``"float-inputs"`` of :mod:`fedfusion.model_check`: the constructor on the
+requirement ``"float-inputs"`` of :mod:`fedfusion.core.model_check`: the constructor on the
 validation inputs' dtype, else the model's first layer; each client on its own inputs before
 its training), naming ``distill='val'`` and other strategies as the alternatives.
 
@@ -129,12 +129,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.evaluation import classification_metrics
-from fedfusion.normalization import running_stat_layers
-from fedfusion.predictors import Ensemble
-from fedfusion.state import weighted_average
-from fedfusion.strategies.base import FusionStrategy
+from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.evaluation import classification_metrics
+from fedfusion.core.normalization import running_stat_layers
+from fedfusion.core.predictors import Ensemble
+from fedfusion.core.state import weighted_average
+from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.synthesis import (
     FALLBACK_RANGE,
     Generator,
@@ -244,7 +244,7 @@ adv_mask, eval_fraction
     name = "dense"
     member_fusions = ("first", "all")  # teachers: member 0 of each client, or every member
     required_sections = (WEIGHTS,)
-    #: the generator makes the inputs: float ones only (:mod:`fedfusion.model_check`)
+    #: the generator makes the inputs: float ones only (:mod:`fedfusion.core.model_check`)
     model_requirements = ("float-inputs",)
 
     def __init__(

@@ -1,6 +1,6 @@
 """One evaluation path for every global predictor: accuracy, NLL and ECE.
 
-A predictor returns log-probabilities (see :mod:`fedfusion.predictors`).
+A predictor returns log-probabilities (see :mod:`fedfusion.core.predictors`).
 ECE uses 15 equal-width confidence bins: sum_b |B_b|/N * |acc(B_b) - conf(B_b)|.
 """
 

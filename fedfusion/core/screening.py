@@ -6,7 +6,7 @@ magnitude caps. An upload can pass every one of those and still dominate a fusio
 its weight in an average is what the client says (``num_examples``) and its values may sit at
 the caps. The functions here compare each client with the others (pure functions on
 :class:`~fedfusion.wire.ClientUpload`, no global state, deterministic); the strategy calls them
-once per round, before :meth:`~fedfusion.strategies.base.FusionStrategy.fuse`, so every
+once per round, before :meth:`~fedfusion.flower.strategy.FusionStrategy.fuse`, so every
 strategy weights by the same capped counts and fuses the same screened uploads.
 
 **Claimed example counts** (:func:`cap_num_examples`). Client c claims n_c; with
@@ -95,7 +95,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.evaluation import Labelled, evaluate
+from fedfusion.core.evaluation import Labelled, evaluate
 from fedfusion.sections import CURVATURE_PREFIX
 from fedfusion.wire import WEIGHTS, ClientUpload
 

@@ -1,13 +1,13 @@
 """Inputs of any dtype: float images and features, integer token ids (into an
 ``nn.Embedding``), bool masks.
 
-Inputs travel as the user holds them (:func:`fedfusion.evaluation.as_labelled` casts float
+Inputs travel as the user holds them (:func:`fedfusion.core.evaluation.as_labelled` casts float
 inputs to float32 and keeps integer and bool ones as they are): through the client's
 sections (curvature, Gram), the server's validation and test data, evaluation, BatchNorm
 recalibration, the chance check and ``distill="val"``. Only what GENERATES inputs needs float
 ones: DENSE's and Co-Boosting's generators and ``distill="synthetic"`` make float images and
 cannot make token ids, so they refuse a model of integer inputs before anything trains
-(:func:`integer_reason` says why; :mod:`fedfusion.model_check` asks).
+(:func:`integer_reason` says why; :mod:`fedfusion.core.model_check` asks).
 """
 
 from __future__ import annotations
