@@ -99,6 +99,8 @@ def test_the_checker_sees_the_imports_it_must():
     assert "fedfusion.accel.kernels" in GRAPH["fedfusion.accel.stacked"]
     assert ("fedfusion.accel.stacked", False) in imports("fedfusion.training")  # lazy import
     assert "fedfusion.app.config" in GRAPH["fedfusion.server_app"]
+    assert "fedfusion.strategies.alignment.graph" in GRAPH["fedfusion.strategies.pfnm"]
+    assert "fedfusion.flower.train_config" in GRAPH["fedfusion.core.model_check"]
 
 
 def test_no_import_cycles():
@@ -120,6 +122,95 @@ def test_native_code_is_imported_only_on_request():
     upward = sorted((m, t) for m in MODULES if m.startswith(ACCEL)
                     for t in GRAPH[m] if not t.startswith(ACCEL) and t != "fedfusion.loss_terms")
     assert upward == []
+
+
+#: the Flower adapter and what sits above it; the rest of the library is the base
+FLOWER, STRATEGIES, CLIENT = "fedfusion.flower", "fedfusion.strategies", "fedfusion.client"
+ABOVE_BASE = (FLOWER, STRATEGIES, CLIENT, *APP)
+#: the plain train-config keys the core's model check reads from a client's config
+TRAIN_CONFIG = "fedfusion.flower.train_config"
+#: what every family may share, and the modules that see every family
+SHARED_FAMILIES = {"alignment"}
+ALL_FAMILIES = {STRATEGIES, f"{STRATEGIES}.requirements"}
+#: one family building on another: (importer family, imported family) -> why
+FAMILY_EDGES = {
+    ("fedprox", "fedavg"): "FedProx is FedAvg with a proximal client term",
+    ("swa", "fedavg"): "SWA is FedAvg with per-layer Gaussianity weights",
+    ("ams", "ensemble"): "AMS is the uniform ensemble with a max-logit selector",
+    ("fedfisher", "fedbens"): "FedFisher runs FedBEns' batched server optimiser",
+    ("fens", "fedbens"): "FENS can aggregate FedBEns' modes (base='fedbens')",
+}
+
+
+def flwr_imports(source: str) -> list[str]:
+    """The ``flwr`` modules ``source`` imports, at any level."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "flwr"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] == "flwr":
+            found.append(node.module or "")
+    return found
+
+
+def family(module: str) -> str | None:
+    """The algorithm family of a module under ``fedfusion.strategies``: its first component
+    there (``fedbens`` for ``fedfusion.strategies.fedbens.objective``)."""
+    if not module.startswith(f"{STRATEGIES}."):
+        return None
+    return module[len(STRATEGIES) + 1:].split(".")[0]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge of ``graph`` that breaks the import rules of docs/architecture.md."""
+    bad = []
+    for m, targets in graph.items():
+        for t in sorted(targets):
+            if not m.startswith(ABOVE_BASE) and t.startswith(ABOVE_BASE) and t != TRAIN_CONFIG:
+                bad.append(f"base module {m} imports {t}")
+            if m.startswith(FLOWER) and t.startswith((STRATEGIES, CLIENT, *APP)):
+                bad.append(f"Flower adapter {m} imports {t}")
+            if m.startswith(STRATEGIES) and t.startswith((CLIENT, *APP)):
+                bad.append(f"strategy module {m} imports {t}")
+            src, dst = family(m), family(t)
+            if src and dst and src != dst and m not in ALL_FAMILIES and \
+                    dst not in SHARED_FAMILIES and (src, dst) not in FAMILY_EDGES:
+                bad.append(f"family {src} ({m}) imports family {dst} ({t})")
+    return bad
+
+
+def test_core_and_curvature_import_no_flower():
+    found = {name: flwr_imports(path.read_text()) for name, path in MODULES.items()
+             if name.startswith(("fedfusion.core", "fedfusion.curvature"))}
+    assert len(found) > 10  # the packages were found
+    assert {name: mods for name, mods in found.items() if mods} == {}
+
+
+def test_imports_point_down_and_families_stay_apart():
+    assert layer_violations(GRAPH) == []
+
+
+def test_the_layer_rules_see_a_bad_edge():
+    """Each rule flags the edge it exists for, on the real graph plus one bad edge."""
+    bad_edges = {
+        ("fedfusion.core.fusion", "fedfusion.strategies.fedavg"): "base module",
+        ("fedfusion.curvature.kron", "fedfusion.flower.strategy"): "base module",
+        ("fedfusion.wire.decode", "fedfusion.client"): "base module",
+        ("fedfusion.flower.sampling", "fedfusion.strategies.fedbens.strategy"):
+            "Flower adapter",
+        ("fedfusion.strategies.regmean", "fedfusion.app.config"): "strategy module",
+        ("fedfusion.strategies.pfnm", "fedfusion.strategies.otfusion"): "family pfnm",
+        ("fedfusion.strategies.fedbens.objective", "fedfusion.strategies.swa.strategy"):
+            "family fedbens",
+    }
+    for (m, t), message in bad_edges.items():
+        assert m in MODULES and t in MODULES, (m, t)
+        graph = {**GRAPH, m: GRAPH[m] | {t}}
+        assert [v for v in layer_violations(graph) if v.startswith(message)], (m, t)
+    assert flwr_imports("def f():\n    from flwr.app import Message\n") == ["flwr.app"]
+    assert flwr_imports("import flwr.serverapp as s\nimport flwrx\n") == ["flwr.serverapp"]
+    assert layer_violations({"fedfusion.core.model_check": {TRAIN_CONFIG}}) == []
 
 
 def test_no_private_flower_imports_or_attributes():
