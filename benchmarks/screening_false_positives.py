@@ -48,6 +48,7 @@ from fedfusion.app.config import Settings, build_strategy, default_model
 from fedfusion.app.federation import federated_split
 from fedfusion.architecture import ModelSpec
 from fedfusion.evaluation import evaluate, predict_log_probs
+from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_GRAM
 from fedfusion.server_app import replay_settings
 from fedfusion.state import weighted_average
 from fedfusion.strategies.screening import (
@@ -57,7 +58,7 @@ from fedfusion.strategies.screening import (
     screened_section,
     section_scales,
 )
-from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, WEIGHTS, ClientUpload
+from fedfusion.wire import WEIGHTS, ClientUpload
 
 RESULTS = REPO / "benchmarks" / "results" / "screening_false_positives.json"
 HOSTILE_CELL = "bench-leaderboard/table1-C5_a0.1-s0"

@@ -28,7 +28,7 @@ from fedfusion.capture import linear_maps
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.curvature.fit import fit_curvature
 from fedfusion.curvature.hybrid import hybrid_kron_fit
-from fedfusion.gram import layer_grams, model_gram_sizes
+from fedfusion.sections.gram import layer_grams, model_gram_sizes
 from fedfusion.state import StateLayout
 
 DIM, HEADS, TOKENS, CLASSES = 4, 2, 5, 3

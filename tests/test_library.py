@@ -28,7 +28,7 @@ from fedfusion.strategies import (
     RegMean,
     UniformEnsemble,
 )
-from fedfusion.strategies.fusion import Fusion, _summarise_reason
+from fedfusion.strategies.fusion import Fusion, summarise_reason
 from fedfusion.strategies.identity import SERVER_ID_BASE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_a_long_client_error_keeps_its_root_cause():
     """A Ray-wrapped traceback is cut to its first line and its last error line."""
     reason = ("client error: ClientAppException: exception in ClientApp\n" + "  frame\n" * 400
               + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    summary = _summarise_reason(reason)
+    summary = summarise_reason(reason)
     assert summary.startswith("client error: ClientAppException")
     assert summary.endswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
                             "2.00 GiB") and len(summary) < 600

@@ -12,7 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.datasets import ImageData
-from fedfusion.gram import (
+from fedfusion.predictors import ModelSpec
+from fedfusion.sections import build_section
+from fedfusion.sections.gram import (
     expected_gram_sizes,
     gram_layers,
     layer_grams,
@@ -21,8 +23,6 @@ from fedfusion.gram import (
     model_gram_sizes,
     validate_grams,
 )
-from fedfusion.predictors import ModelSpec
-from fedfusion.sections import build_section
 from fedfusion.state import weighted_average
 from fedfusion.strategies.fusion import FusionContext
 from fedfusion.strategies.regmean import RegMean, parse_alphas

@@ -26,6 +26,7 @@ from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.sections import MAX_ABS_WEIGHT
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
 from fedfusion.strategies.screening import (
@@ -38,7 +39,6 @@ from fedfusion.strategies.screening import (
 )
 from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import METRICS_KEY, member_key
-from fedfusion.wire.validation import MAX_ABS_WEIGHT
 
 HOSTILE = 3  # the hostile client's id; 0, 1, 2 are honest
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_GRAM
 from fedfusion.server_app import run_server
 from fedfusion.state import weighted_average
 from fedfusion.strategies import (
@@ -45,7 +46,7 @@ from fedfusion.strategies.screening import (
     screen_on_validation,
     section_scales,
 )
-from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, ClientUpload
+from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import member_key
 
 HOSTILE = 3  # the hostile client's id; 0, 1, 2 are honest

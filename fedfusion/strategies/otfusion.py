@@ -102,8 +102,8 @@ from scipy.optimize import linear_sum_assignment
 from torch import fx, nn
 
 from fedfusion.architecture import ModelFn, ModelSpec
-from fedfusion.gram import forward_with_hooks
 from fedfusion.predictors import Ensemble
+from fedfusion.sections.gram import forward_with_hooks
 from fedfusion.state import weighted_average
 from fedfusion.strategies.base import FusionStrategy
 from fedfusion.wire import ClientUpload
