@@ -6,7 +6,7 @@ Every cell either fuses to a finite predictor well above chance (and, unless the
 server step is FedAvg's, one that predicts otherwise than FedAvg of the same uploads), or is
 refused by design with a message that names the module and the alternative (PFNM takes MLPs
 only). No cell may die with an internal error. The accuracy of each cell at benchmark scale is in
-benchmarks/README.md ("Real models").
+benchmarks/docs/real-models.md.
 """
 
 from __future__ import annotations

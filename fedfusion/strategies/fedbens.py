@@ -95,7 +95,7 @@ class FedBEns(FusionStrategy):
         and then fall while the objective still rises. On FMNIST with 10 to 100 clients no
         run's best iterate moved even with 2; with 5 clients, whose validation curves can
         dip and climb again, 4 moved 13 of the 380 runs traced and 2 moved 64
-        (benchmarks/README.md, "FedBEns' starts"). 0 = every run takes all ``steps`` (the
+        (benchmarks/docs/starts.md). 0 = every run takes all ``steps`` (the
         paper's schedule).
     prune_margin : float, default 50.0
         Members more than this many nats below their client's best are skipped between
@@ -113,12 +113,11 @@ class FedBEns(FusionStrategy):
         solutions. ``"clustered"``: ``num_starts`` runs from the weighted K-medoids of the
         members in parameter space (:func:`~fedfusion.strategies.starts.clustered_starts`),
         the member starts at a bounded cost. ``"auto"``: ``"mean"`` for a model with
-        BatchNorm running statistics (measured on the real-models benchmark,
-        docs/strategies.md), ``"clustered"`` otherwise (with ``patience=4``: on the paper's
+        BatchNorm running statistics (benchmarks/docs/real-models.md), ``"clustered"``
+        otherwise (with ``patience=4``: on the paper's
         FMNIST splits within 0.2 points of the member starts and 2.1 above the medians, at
         1.3-1.6x the paper's server cost from C = 5 to 100; its ensemble holds
-        2 max_c M_c modes, twice the paper's prediction cost: benchmarks/README.md,
-        "FedBEns' starts").
+        2 max_c M_c modes, twice the paper's prediction cost: benchmarks/docs/starts.md).
     num_starts : int, default 0
         K, the runs of ``starts="clustered"``; 0 = 2 max_c M_c (twice the paper's runs).
     modes : int, default 0
@@ -129,7 +128,7 @@ class FedBEns(FusionStrategy):
         Precision of the server optimisation.
     cuda_graphs : bool, default True
         On a CUDA device, replay each optimiser step as one captured CUDA graph (the same
-        kernels without their launch cost; benchmarks/README.md, "The server on a GPU").
+        kernels without their launch cost; benchmarks/docs/server-device.md).
     """
 
     name = "fedbens"
