@@ -1,11 +1,9 @@
 """Small compiled CPU kernels for the stacked trainer (:mod:`fedfusion.accel.stacked`).
 
 At the sizes of the zoo's small models (LeNet: 1 -> 6 -> 16 channels) PyTorch's CPU kernels
-are far from the arithmetic peak: oneDNN computes the weight gradient of a 1-channel 5x5
-convolution at ~1.8 ms per 64-sample batch, ``max_pool2d`` takes ~1 ms forward plus a scatter
-backward. The plain C loops here, with every size a compile-time constant so that the
-compiler keeps the accumulators in vector registers, do the same work in a fraction of that
-(``benchmarks/throughput.py``).
+are far from the arithmetic peak. The plain C loops here, with every size a compile-time
+constant so that the compiler keeps the accumulators in vector registers, do the same work
+in a fraction of the time (benchmarks/docs/throughput.md).
 
 The C source is generated from the layer's sizes (integers only), compiled once per machine
 with the system C compiler (``$CC``, else ``cc``) into a per-user cache folder (mode 0700,
@@ -22,12 +20,7 @@ the forward pass and weight gradient of a direct convolution (:func:`conv_kernel
 2x2 max-pool with an optional ReLU, forward and backward (:func:`pool_kernels`), and the
 input gradient of a convolution where its accumulators fit in registers
 (:func:`input_grad_block`), and SGD's momentum step in one pass (:func:`sgd_kernel`, bit for
-bit PyTorch's, checked when loaded). Variants measured and dropped: an input gradient as the
-correlation of the zero-padded output gradient with the flipped kernel (2.3x slower than
-oneDNN's: 2.25x the multiply-adds on LeNet's second layer, most of them with zeros), and a
-fused pool + convolution backward over only the windows' chosen entries (a quarter of the
-multiply-adds, but 1.7-2.3x slower: scalar read-modify-writes, and a patch per output
-channel instead of one shared by all).
+bit PyTorch's, checked when loaded).
 """
 
 from __future__ import annotations

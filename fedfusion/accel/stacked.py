@@ -8,18 +8,17 @@ seed's shuffle), its own momentum buffer and its own loss terms; a step computes
 member at once, exactly the gradient that member's own step would (the same mean
 cross-entropy over its own batch), up to float summation order.
 
-Why not autograd over PyTorch's layers: on one CPU core a LeNet step at batch 64 is not
-limited by per-op overhead but by slow kernels at these small sizes (torch 2.14, measured in
-``benchmarks/throughput.py``): ``max_pool2d`` costs ~1 ms forward plus its scatter backward,
-oneDNN's weight gradient of the first convolution ~2.6 ms, against ~1.5 ms for the whole
-first convolution's forward. Grouped convolutions over channel-stacked members inherit the
-same kernels (no gain, measured), and ``torch.compile`` on CPU was slower than eager. Here
-every layer is written as a few large, regular operations over all members:
+Why not autograd over PyTorch's layers: on one CPU core a small model's step is limited not
+by per-op overhead but by PyTorch's slow kernels at these sizes (``max_pool2d`` and its
+scatter backward, oneDNN's weight gradient of a few-channel convolution); grouped
+convolutions over channel-stacked members inherit the same kernels, and ``torch.compile`` on
+the CPU is slower than eager (benchmarks/docs/throughput.md). Here every layer is written as
+a few large, regular operations over all members:
 
 * convolutions run member by member inside one compiled kernel (:mod:`fedfusion.accel.kernels`)
   where that is fastest, else as im2col + one batched GEMM (``torch.bmm``) per pass or as
   PyTorch's own convolution per member (:class:`StackedConv2d`); every buffer is reused from step to
-  step (a fresh 18 MB im2col buffer per step costs ~500 page faults);
+  step (a fresh large buffer page-faults at every step);
 * a 2x2 max-pool and the ReLU next to it are one compiled kernel, or, without a C compiler,
   three ``maximum`` of the windows' corners with the first-maximum choice kept as masks; both
   route each gradient to the same position as PyTorch's ``max_pool2d`` (the first maximum in
