@@ -180,7 +180,7 @@ LABELS = {
     "fisher_merge": "Fisher merging", "otfusion": "OTFusion", "dense": "DENSE",
     "swa": "SWA (HOS)", "pfnm": "PFNM",
 }
-#: the one-model-per-client baselines FedBEns must beat (issue 24's target)
+#: the one-model-per-client baselines FedBEns must beat
 ONE_MODEL = ("fedavg", "fedavg_avgstats", "fedfisher_kron", "regmean", "fisher_merge",
              "otfusion", "dense", "swa", "pfnm")
 #: run-config keys that decide the uploads: a live run made under others is not reused
