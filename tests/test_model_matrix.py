@@ -1,4 +1,4 @@
-"""The strategy x model matrix (issue 24): every strategy on the model families users have
+"""The strategy x model matrix: every strategy on the model families users have
 (BatchNorm CNN, ResNet with and without BatchNorm, LayerNorm MLP), trained on real
 Fashion-MNIST rows, uploaded through the wire format (encode -> decode -> validate), fused.
 
