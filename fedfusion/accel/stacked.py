@@ -148,14 +148,12 @@ class StackedConv2d(_Layer):
       pass, the weight gradient (stride 1, no padding or dilation, all output channels in
       one register block: :func:`fedfusion.accel.kernels.one_block`) and the input gradient where
       its accumulators fit in registers (:func:`fedfusion.accel.kernels.input_grad_block`; else
-      PyTorch's). LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
-      against 11.8 ms (oneDNN) and 7.4 ms (``gemm``); the second 4.9 ms against 5.0 ms
-      (oneDNN), and its input gradient 2.0 ms against 3.7 ms (oneDNN);
+      PyTorch's), where it beats oneDNN (LeNet's layers);
     * ``gemm``: im2col into a reused buffer + one batched GEMM per pass, for small patches
       (``C_in * kh * kw <= 32``) otherwise;
     * ``native``: PyTorch's own convolution, forward and backward, member by member on its
-      contiguous NCHW batch: the fastest for the rest (the CNN's layers 48 / 150 ms against
-      64 / 197 ms for ``gemm``, and 1.5-4x faster than the compiled kernels there).
+      contiguous NCHW batch: the fastest for the rest (the CNN's layers).
+    The timings behind the choice: benchmarks/docs/throughput.md.
     """
 
     #: largest patch (C_in * kh * kw) the ``gemm`` strategy is used for
@@ -353,8 +351,7 @@ class StackedConv2d(_Layer):
 class StackedLinear(_Layer):
     """Batched matmul on ``[M, B, F]``. Outputs and input gradients are stored feature-major
     (``[M, F, B]`` buffers, returned as ``[M, B, F]`` views): every GEMM then reads or writes
-    ``[F, B]`` matrices, 6% faster for the MLP's three layers at B = 64 than ``[B, F]`` ones
-    (1.70 against 1.81 ms a step for 5 members, the last layer 2.2x)."""
+    ``[F, B]`` matrices, faster for the MLP's layers than ``[B, F]`` ones."""
 
     def __init__(self, name: str, workspace: _Workspace, linears: Sequence[nn.Linear]):
         super().__init__(name, workspace)
