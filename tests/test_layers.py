@@ -1,4 +1,4 @@
-"""The package's layers (issue 25, item 6), checked from the source: imports point down and
+"""The package's layers, checked from the source: imports point down and
 never in a circle, the library stays free of the App, of Flower's private modules and of the
 optional native code, and what ``start()`` returns is usable by any Flower code."""
 

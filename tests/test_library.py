@@ -1,5 +1,5 @@
 """fedfusion as a library in someone else's Flower project: their model class, their data,
-their ClientApp, our strategies (issue 14). Real Fashion-MNIST rows, a model not in the zoo."""
+their ClientApp, our strategies. Real Fashion-MNIST rows, a model not in the zoo."""
 
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
 
 def test_a_hung_client_is_left_behind_at_the_round_timeout(fmnist):
     """LocalGrid honours the timeout as a real grid does: a client that never returns does
-    not block the round (issue 26: 20 s and counting with round-timeout 5)."""
+    not block the round."""
     import threading
     import time
 

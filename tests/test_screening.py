@@ -1,4 +1,4 @@
-"""Robust aggregation (issue 26, items 2 and 3): claimed example counts are capped relative to
+"""Robust aggregation: claimed example counts are capped relative to
 the other clients, uploads whose weights are far out of line with the others' are screened
 out, and a fused model at chance on the validation data says so.
 

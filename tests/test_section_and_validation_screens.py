@@ -150,8 +150,7 @@ def test_one_clients_curvature_or_gram_at_the_cap_is_screened_out(fmnist, make, 
     """1 hostile client of 4 whose curvature (or Gram) is at the cap: with the screen off
     the fusion follows it (accuracy drops by ``drop`` or more from the honest fusion);
     screened it is excluded naming the section and layer, and the fusion is the honest
-    clients' own, exactly. Measured: benchmarks/README.md, "Curvature, Gram and validation
-    screens"."""
+    clients' own, exactly. Measured: benchmarks/docs/screening.md."""
     hostile = at_the_cap(fmnist, section)
     honest, off, screened, strategy = three_ways(make, hostile, fmnist, **kwargs)
     assert screened == honest, (screened, honest)

@@ -39,13 +39,11 @@ from fedfusion.curvature.kron import KronCurvature, matrix_shape
 
 #: the chunk budget on a CUDA device
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-#: ... and on the CPU: intermediates of 256 MB chunks are fresh memory at every step (glibc
-#: maps allocations above 32 MB anew: 1.4 M page faults in 60 steps of C = 20, M = 5 against
-#: 0.08 M) and far beyond the cache; 16 MB chunks made the steps 10-25% faster (one thread)
+#: ... and on the CPU, small enough that glibc reuses the memory (it maps allocations above
+#: 32 MB anew at every step) and the intermediates stay near the cache
 CPU_CHUNK_BYTES = 16 * 2**20
-#: a layer's gathered pair factors are kept between steps up to this size: LeNet's fc1 at
-#: C = 100, M = 5 takes 222 MB with 5 runs and 445 MB with the 10 clustered ones, and
-#: gathering them anew costs about a third of a step
+#: a layer's gathered pair factors are kept between steps up to this size (gathering them
+#: anew at every step is a sizeable part of a step)
 MAX_PAIR_CACHE_BYTES = 512 * 2**20
 #: MixtureObjective refreshes less often while every excluded member is this many margins away
 FAR_GAP_MARGINS = 4.0
@@ -701,12 +699,9 @@ class MixtureObjective:
     schedule: while a refresh finds run r's pairs unchanged and every component it excludes
     at least ``FAR_GAP_MARGINS`` margins away, the interval to run r's next refresh doubles,
     up to ``MAX_REFRESH_GROWTH x refresh_every``; a change, or a component nearer than that,
-    resets it (at C = 100 the set never changed in 31 refreshes and the nearest excluded
-    member stayed 916 nats away), and a refresh evaluates the ``K`` components of the runs
-    that are due only. (One schedule for all runs made every run re-evaluate all ``K``
-    components whenever any run was near a switch: with the member starts of
-    ``starts="clustered"``, one run of ten near a switch, 10-11 full refreshes instead of
-    the median starts' 6, 55 s of a 375 s server at C = 100.)
+    resets it, and a refresh evaluates the ``K`` components of the runs that are due only.
+    The schedule is per run so that one run near a switch does not make every run
+    re-evaluate all ``K`` components.
 
     The smallest gap of an excluded component seen at a refresh and the number of refreshes
     that changed the active set are kept in :meth:`report`, so a run whose components move
