@@ -1,4 +1,4 @@
-"""AMS against the uniform ensemble, FedAvg and PFNM on Fashion-MNIST MLPs (issue 6).
+"""AMS against the uniform ensemble, FedAvg and PFNM on Fashion-MNIST MLPs.
 
 The AMS paper's MLP experiments (Tables 2-4, Figure 3) on FMNIST (MNIST is not available
 offline here):

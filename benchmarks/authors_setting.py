@@ -32,7 +32,7 @@ this kind of machine, one process with 2 threads) are printed beside ours.
     .venv/bin/python benchmarks/authors_setting.py --alphas 0.1,0.4 --seeds 0,1,2
 
 Prints the tables of each run and, with several runs, a summary and FedBEns' accuracy before
-issue 16 (``benchmarks/results/fedbens.json``, same cells) against these runs; writes
+the stacked trainer (``benchmarks/results/fedbens.json``, same cells) against these runs; writes
 benchmarks/results/authors_setting.json: every run in ``runs`` (those of earlier invocations
 at other cells kept, each with its commit), the alpha 0.1 / seed 0 run at the top level.
 """
@@ -50,7 +50,7 @@ from pathlib import Path
 from common import PAPER_ALGORITHM, REPO, cell, live_run
 
 RESULTS = REPO / "benchmarks" / "results" / "authors_setting.json"
-#: FedBEns before issue 16 (benchmarks/fedbens.py, the same setting)
+#: FedBEns before the stacked trainer (benchmarks/fedbens.py, the same setting)
 BEFORE = REPO / "benchmarks" / "results" / "fedbens.json"
 
 #: the authors' code on this machine (alpha 0.1, seed 0; fedbens-reference-run.md)
@@ -280,7 +280,7 @@ def code_version() -> str:
 
 def accuracy_before_after(runs: list[dict]) -> list[dict]:
     """Per alpha: FedBEns' test accuracy of these runs against the same (alpha, seed) cells
-    of ``benchmarks/results/fedbens.json``, measured before issue 16 (members trained one
+    of ``benchmarks/results/fedbens.json``, measured before the stacked trainer (members trained one
     after another with PyTorch's layers; same setting, those clients also uploaded extra
     sections, which do not change training)."""
     before = json.loads(BEFORE.read_text()) if BEFORE.is_file() else []

@@ -1,4 +1,4 @@
-"""FedBEns on the FedBEns authors' own Fashion-MNIST splits, beside the paper (issue 17).
+"""FedBEns on the FedBEns authors' own Fashion-MNIST splits, beside the paper.
 
 The clients' rows and the server's 500 validation rows come from
 ``../shared/data/fedbens-authors-splits.npz`` (``partition-file``, ``val-source='file'``), so

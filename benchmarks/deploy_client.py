@@ -1,4 +1,4 @@
-"""What one deployed ClientApp costs: memory, time and upload bytes per member (issue 15).
+"""What one deployed ClientApp costs: memory, time and upload bytes per member.
 
 Runs ``scripts/deploy-local.sh --measure`` (a real SuperLink and SuperNodes on 127.0.0.1,
 Flower's deployment engine) on Fashion-MNIST with LeNet, for a weights-only upload (FedAvg)

@@ -1,4 +1,4 @@
-"""FedBEns and its baselines against the paper (issues 4 and 5), all from ONE client run per
+"""FedBEns and its baselines against the paper, all from ONE client run per
 (alpha, seed).
 
 FMNIST, LeNet, C=5, M=5, Kron Laplace (T=0.1, sigma^2=0.1), 20 local epochs. For each

@@ -1,4 +1,4 @@
-"""Does the client's curvature backend change FedBEns' accuracy? (issue 4)
+"""Does the client's curvature backend change FedBEns' accuracy?
 
 The default Kron backend (``asdl_mc``, a one-sample Monte-Carlo Fisher K-FAC) was chosen for
 its fit time and its fidelity to the exact GGN K-FAC on one member. This script checks the

@@ -1,4 +1,4 @@
-"""Accuracy cost of compressing the Kron upload (issue 4): float16 eigenvectors and top-r
+"""Accuracy cost of compressing the Kron upload: float16 eigenvectors and top-r
 eigenpairs per factor, applied to cached uploads exactly as a client would before sending.
 
     .venv/bin/python benchmarks/fedbens_compression.py outputs/bench-fedbens/a0.1-s0/uploads

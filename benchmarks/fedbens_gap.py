@@ -1,4 +1,4 @@
-"""Why FedBEns' modes fall behind the uniform ensemble of the same uploads (issue 36, item 4).
+"""Why FedBEns' modes fall behind the uniform ensemble of the same uploads.
 
 On the leaderboard's cells (``benchmarks/leaderboard.py``: the live FedBEns run with its
 defaults, 2M modes from 2M clustered starts, and its saved uploads), from the test set:

@@ -1,4 +1,4 @@
-"""Client cost of the FedBEns curvature (issue 4 / 16 target: Kron fit <= 10% of local training).
+"""Client cost of the FedBEns curvature (the target: Kron fit <= 10% of local training).
 
 Trains M = 5 bias-free LeNet members exactly as a client does (``fedfusion.training.
 train_members``, the stacked trainer: SGD 0.01 / 0.9, batch 64, 20 epochs) on 12,000 random

@@ -1,4 +1,4 @@
-"""Every one-shot method on the same uploads, by inference budget (issue 36).
+"""Every one-shot method on the same uploads, by inference budget.
 
 Per cell, ONE live federation (in this process: fedfusion's own ClientApp through
 ``InProcessGrid``): FedBEns with its defaults, M = 5 members per client, Kron curvature plus

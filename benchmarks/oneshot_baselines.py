@@ -1,4 +1,4 @@
-"""One-shot FedAvg and the uniform ensemble on Fashion-MNIST (issue 3 benchmark).
+"""One-shot FedAvg and the uniform ensemble on Fashion-MNIST.
 
 FMNIST, bias-free LeNet, C=5 clients, Dirichlet alpha in {0.05, 0.1, 0.2, 0.4}, 20 local
 epochs, seed 0. For each alpha: one live `flwr run` simulation (Ray backend, 5 SuperNodes,

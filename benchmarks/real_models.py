@@ -81,14 +81,14 @@ child process (``--stage live``, its log in ``<out>/live-stage.log``) while this
 replays each cell as soon as its live run is done (``--stage replay``); ``--stage all`` does
 one cell after the other in one process.
 
-    .venv/bin/python benchmarks/real_models.py          # 16 cells, ~1.5 h here (see README)
+    .venv/bin/python benchmarks/real_models.py          # 16 cells, ~1.5 h here (see the page)
     .venv/bin/python benchmarks/real_models.py --models ln_mlp --alphas 0.1 --seeds 0 --quick
     .venv/bin/python benchmarks/real_models.py --tables-only   # tables of the saved JSON
     .venv/bin/python benchmarks/real_models.py --server fedfisher-steps=500 --out outputs/x
 
 Saves benchmarks/results/real_models.json (one row per cell) and real_models.png, and
-rewrites the generated part of the "Real models (issue 24)" section of benchmarks/README.md
-(``--quick`` writes under ``outputs/bench-real-models-quick`` only and leaves the README
+rewrites the generated part of benchmarks/docs/real-models.md
+(``--quick`` writes under ``outputs/bench-real-models-quick`` only and leaves the page
 alone; so does ``--no-readme``).
 """
 
@@ -111,7 +111,7 @@ from fedfusion.app.config import STRATEGY_KEYS, Settings  # noqa: E402
 from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "real_models.json"
-README = REPO / "benchmarks" / "README.md"
+PAGE = REPO / "benchmarks" / "docs" / "real-models.md"
 TABLE_START = "<!-- real_models.py: generated table, start -->"
 TABLE_END = "<!-- real_models.py: generated table, end -->"
 
@@ -180,7 +180,7 @@ LABELS = {
     "fisher_merge": "Fisher merging", "otfusion": "OTFusion", "dense": "DENSE",
     "swa": "SWA (HOS)", "pfnm": "PFNM",
 }
-#: the one-model-per-client baselines FedBEns must beat (issue 24's target)
+#: the one-model-per-client baselines FedBEns must beat
 ONE_MODEL = ("fedavg", "fedavg_avgstats", "fedfisher_kron", "regmean", "fisher_merge",
              "otfusion", "dense", "swa", "pfnm")
 #: run-config keys that decide the uploads: a live run made under others is not reused
@@ -604,14 +604,14 @@ def timing_text(rows: list[dict]) -> str:
 
 
 def write_readme(text: str) -> None:
-    readme = README.read_text()
+    readme = PAGE.read_text()
     if TABLE_START not in readme or TABLE_END not in readme:
-        print(f"{README} has no generated-table markers: not updated")
+        print(f"{PAGE} has no generated-table markers: not updated")
         return
     head, rest = readme.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
-    README.write_text(f"{head}{TABLE_START}\n{text}{TABLE_END}{tail}")
-    print(f"updated {README}")
+    PAGE.write_text(f"{head}{TABLE_START}\n{text}{TABLE_END}{tail}")
+    print(f"updated {PAGE}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -675,7 +675,7 @@ def main() -> None:
     parser.add_argument("--tables-only", action="store_true",
                         help="print the tables of the saved results and exit")
     parser.add_argument("--no-readme", action="store_true",
-                        help="do not rewrite the generated table in benchmarks/README.md")
+                        help="do not rewrite the generated table in benchmarks/docs/real-models.md")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.FIELD=VALUE",
                         help="override a per-model setting of MODELS, e.g. "
                              "resnet_bn.subset=2000 or 'bn_cnn.kwargs={\"width\": 16}' "

@@ -1,4 +1,4 @@
-"""A ResNet of real size through FedBEns with Kron curvature (issue 24, item 6).
+"""A ResNet of real size through FedBEns with Kron curvature.
 
 ``resnet20`` with ``width=2`` (1.09 M parameters on 1x28x28, BatchNorm after every
 convolution: Kron blocks for the 22 Linear/Conv2d parameters, diagonal blocks for the 38

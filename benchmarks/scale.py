@@ -1,4 +1,4 @@
-"""FedBEns at 100 clients and beyond (issue 27): the simulation, the server's cost against C.
+"""FedBEns at 100 clients and beyond: the simulation, the server's cost against C.
 
 FMNIST, LeNet, Kron (T = 0.1, sigma^2 = 0.1), Dirichlet alpha = 0.3, 20 local epochs, 500
 server validation rows, seed 0. Stages (each resumable: a finished run is reused):
@@ -260,7 +260,7 @@ def stage_baselines(results: dict) -> None:
         save(results)
 
 
-#: the deployment engine: SuperNodes on loopback, one FedBEns round (issue 27, item 6)
+#: the deployment engine: SuperNodes on loopback, one FedBEns round
 FLEET_CLIENTS = 20
 FLEET_CONFIG = (f"strategy=fedbens hessian-structure=kron num-clients={FLEET_CLIENTS} "
                 "train-subset=6000 alpha=1.0 val-size=200 local-epochs=20 num-members=1 "

@@ -56,8 +56,9 @@ from fedfusion.core.screening import (
     section_scales,
 )
 from fedfusion.core.state import weighted_average
+from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_GRAM
 from fedfusion.server_app import replay_settings
-from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, WEIGHTS, ClientUpload
+from fedfusion.wire import WEIGHTS, ClientUpload
 
 RESULTS = REPO / "benchmarks" / "results" / "screening_false_positives.json"
 HOSTILE_CELL = "bench-leaderboard/table1-C5_a0.1-s0"

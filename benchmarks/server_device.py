@@ -1,4 +1,4 @@
-"""FedBEns' server on the CPU against the GPU at C = 5, 40 and 100 (issue 27, item 5).
+"""FedBEns' server on the CPU against the GPU at C = 5, 40 and 100.
 
 The uploads are the C = 100, M = 5 set of ``benchmarks/scale.py`` (FMNIST, LeNet, Kron,
 Dirichlet alpha 0.3, 20 local epochs, seed 0: ``outputs/bench-scale/c100_m5_s0/uploads``).

@@ -1,4 +1,4 @@
-"""FedBEns' starting points and the ensemble gap (issue 27, items 3 and 4).
+"""FedBEns' starting points and the ensemble gap.
 
 All from uploads that clients really trained (FMNIST, LeNet, M = 5, Kron, T = 0.1,
 sigma^2 = 0.1, 20 local epochs): Table 1's seed-0 cells (C = 5, the authors' splits, MNIST

@@ -1,4 +1,4 @@
-"""SWA (statistical weight aggregation) against its baselines on Fashion-MNIST (issue 6).
+"""SWA (statistical weight aggregation) against its baselines on Fashion-MNIST.
 
 Every run is a whole multi-round federation in this process: ``run_server`` with the
 in-process grid (:class:`fedfusion.app.inprocess.InProcessGrid`), so the rounds are the

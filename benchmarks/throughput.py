@@ -1,11 +1,11 @@
-"""Local training throughput per core (issue 16): today's loop against the stacked trainer.
+"""Local training throughput per core: today's loop against the stacked trainer.
 
 For each model of the zoo measured (bias-free LeNet and MLP on 1x28x28 Fashion-MNIST rows,
 the CNN on the same rows padded and replicated to 3x32x32), SGD lr 0.01 / momentum 0.9,
 batch 64, one thread, M = 5 members of one client (distinct inits and seeds), one epoch of
 ``--samples`` rows per member:
 
-* ``today``: ``train_local`` member after member (the ClientApp's loop before issue 16);
+* ``today``: ``train_local`` member after member (the ClientApp's loop before the stacked trainer);
 * ``stacked, torch ops``: ``train_members`` with the compiled kernels off
   (``FEDFUSION_NO_KERNELS``): stacked parameters, hand-written backward, PyTorch ops only;
 * ``stacked``: ``train_members`` as the ClientApp runs it (compiled kernels where they help);

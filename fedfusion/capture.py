@@ -1,5 +1,5 @@
 """The linear maps of a network and the inputs they see: what K-FAC's input factor
-(:mod:`fedfusion.curvature.hybrid`) and RegMean's Gram matrices (:mod:`fedfusion.gram`) are
+(:mod:`fedfusion.curvature.hybrid`) and RegMean's Gram matrices (:mod:`fedfusion.sections.gram`) are
 built from.
 
 A *linear map* is a weight ``W`` (and its bias ``b``) that multiplies a captured input ``a``:

@@ -40,7 +40,13 @@ from fedfusion.flower.train_config import (
     OPTIONAL_SECTIONS_KEY,
     SECTIONS_KEY,
 )
-from fedfusion.sections import CURVATURE_PREFIX, SectionOptions, build_section
+from fedfusion.sections import (
+    CURVATURE_PREFIX,
+    SECTIONS,
+    SectionOptions,
+    SectionTable,
+    build_section,
+)
 from fedfusion.strategies.fens import client as fens_client
 from fedfusion.strategies.fens.client import is_aggregator_round
 from fedfusion.strategies.requirements import ALL_REQUIREMENTS
@@ -110,6 +116,7 @@ def make_upload(
     num_classes: int | None = None,
     metrics: Mapping[str, float | int] | None = None,
     started: float | None = None,
+    section_table: SectionTable = SECTIONS,
     **options: Any,
 ) -> ClientUpload:
     """The upload of a client's trained ``models`` (its members) on its data ``(x, y)``.
@@ -142,6 +149,9 @@ def make_upload(
     started : float, optional
         ``time.perf_counter()`` when the client began its work: the upload then reports its
         whole time as ``client-time-s``.
+    section_table : mapping, default fedfusion.sections.SECTIONS
+        The sections this client can compute, by name (a user's own section: a table that
+        holds it, the server's strategy given the same).
     **options
         How sections are computed: ``curvature_backend`` ("" = measured default),
         ``curvature_batch_size`` (256), ``curvature_rank`` (0 = all eigenpairs),
@@ -184,7 +194,8 @@ def make_upload(
                 continue
             start = time.perf_counter()
             try:
-                member[section] = build_section(section, model, x, y, section_options, member)
+                member[section] = build_section(section, model, x, y, section_options, member,
+                                                section_table)
             except Exception as exc:
                 if section in sections:
                     raise

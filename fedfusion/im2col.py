@@ -3,7 +3,7 @@
 A ``nn.Conv2d`` with weight ``[out, c, kh, kw]`` is the linear map ``W.reshape(out, -1)`` of
 its input patches ``p_{n,l}`` (``c kh kw`` values, channel-major, at each of the ``L`` output
 positions ``l``). K-FAC's input factor (:mod:`fedfusion.curvature.hybrid`) and RegMean's Gram
-matrices (:mod:`fedfusion.gram`) are both sums of ``p p^T`` over samples and positions.
+matrices (:mod:`fedfusion.sections.gram`) are both sums of ``p p^T`` over samples and positions.
 """
 
 from __future__ import annotations

@@ -150,9 +150,8 @@ def train_members(
 
 
 #: feature maps (and their gradients) of one stacked chunk of members, per step: above a
-#: few tens of MB the chunk's maps leave the caches, and stacking stops paying (the CNN:
-#: 1.17x today's loop one member at a time, 1.03x for five at once; LeNet: 2.0x for five,
-#: 1.7x for one; benchmarks/throughput.py)
+#: few tens of MB the chunk's maps leave the caches, and stacking stops paying
+#: (benchmarks/docs/throughput.md)
 CHUNK_BYTES = 32 * 2**20
 
 

@@ -15,7 +15,8 @@ as a schema (every field's type, named on error). A client whose entry or file i
 left out, named with the reason, and the other clients load (:func:`load_uploads` returns
 these failures): an entry field of the wrong type, a file path outside the folder (absolute,
 ``..``, or a symlink that leads out), a missing, truncated or foreign npz, an npz that does
-not match its entry (members), more than ``max_upload_bytes`` declared in the zip headers
+not match its entry (members), more than the limits' ``upload_bytes`` declared in the zip
+headers
 (refused before anything is inflated), an array whose ``.npy`` header does not match its
 size. Only a problem of the whole folder raises :class:`UploadStoreError`, among them
 clients that together declare more than :data:`MAX_REPLAY_BYTES` uncompressed (every client's
@@ -36,9 +37,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from fedfusion.reasons import brief, describe
 from fedfusion.wire.format import MAX_MEMBERS, SCHEMA, SCHEMA_VERSION, ClientUpload
+from fedfusion.wire.limits import DEFAULT_LIMITS, UploadLimits
 from fedfusion.wire.npy import npy_layout, read_npy
-from fedfusion.wire.validation import MAX_UPLOAD_BYTES, _brief, _describe
 
 MANIFEST = "manifest.json"
 #: a manifest larger than this is refused unread (honest ones are a few KB per client)
@@ -49,7 +51,7 @@ NPZ_OVERHEAD_BYTES = 16 * 1024**2
 #: cap on the uncompressed bytes ALL clients of a replay declare in their zip headers
 #: together (checked, with every ``.npy`` header, before any array is read): a replay holds
 #: every upload in memory at once, so its total is capped like one live client's upload
-#: (MAX_UPLOAD_BYTES); ``load_uploads(max_total_bytes=...)``
+#: (``UploadLimits.upload_bytes``); ``load_uploads(max_total_bytes=...)``
 MAX_REPLAY_BYTES = 2 * 1024**3
 #: a client entry's fields and their JSON types
 ENTRY_FIELDS: dict[str, type] = {
@@ -194,11 +196,12 @@ def save_uploads(directory: str | Path, uploads: Sequence[ClientUpload],
     return UploadWriter(directory, run_config)(uploads)
 
 
-def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES, *,
+def load_uploads(directory: str | Path, limits: UploadLimits = DEFAULT_LIMITS, *,
                  strict: bool = False, max_total_bytes: int = MAX_REPLAY_BYTES
                  ) -> tuple[dict[str, Any], list[ClientUpload], list[Failure]]:
     """Return (run_config that produced them, the uploads that load, the failures).
 
+    ``limits.upload_bytes`` caps each client's npz as it caps a live upload.
     ``failures`` lists ``(client, reason)`` for every client left out (``client`` is its
     ``client_id``, or ``"entry <i>"`` when the entry has no usable id). A folder-level
     problem raises :class:`UploadStoreError`; so does any failure when ``strict`` (for
@@ -210,7 +213,7 @@ def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES
     failures: list[Failure] = []
 
     def fail(index: int, entry: object, exc: Exception) -> None:
-        client, reason = _label(index, entry), _describe(exc)
+        client, reason = _label(index, entry), describe(exc)
         if strict:
             raise UploadStoreError(f"{root}: client {client}: {reason}") from exc
         failures.append((client, reason))
@@ -219,7 +222,7 @@ def load_uploads(directory: str | Path, max_upload_bytes: int = MAX_UPLOAD_BYTES
     seen: set[int] = set()
     for index, entry in enumerate(manifest["clients"]):
         try:  # whatever one client's files raise leaves that client out
-            plan = _plan_client(root, index, entry, max_upload_bytes)
+            plan = _plan_client(root, index, entry, limits.upload_bytes)
             if entry["client_id"] in seen:
                 raise ValueError(f"clients[{index}]: client_id {entry['client_id']} appears "
                                  "twice")
@@ -263,14 +266,14 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
-        raise UploadStoreError(f"{path} is not JSON: {_describe(exc)}") from exc
+        raise UploadStoreError(f"{path} is not JSON: {describe(exc)}") from exc
     if not isinstance(manifest, dict):
         raise UploadStoreError(f"{path} must hold a JSON object, got {type(manifest).__name__}")
     version = manifest.get("schema_version")
     if manifest.get("schema") != SCHEMA or version != SCHEMA_VERSION or isinstance(version,
                                                                                    bool):
-        raise UploadStoreError(f"{path}: schema {_brief(manifest.get('schema'))} version "
-                               f"{_brief(version)} is not {SCHEMA!r} v{SCHEMA_VERSION}")
+        raise UploadStoreError(f"{path}: schema {brief(manifest.get('schema'))} version "
+                               f"{brief(version)} is not {SCHEMA!r} v{SCHEMA_VERSION}")
     run_config, clients = manifest.get("run_config"), manifest.get("clients")
     if not isinstance(run_config, dict) or not all(isinstance(k, str) for k in run_config):
         raise UploadStoreError(f"{path}: field 'run_config' must be a JSON object, got "
@@ -308,23 +311,23 @@ def _plan_client(root: Path, index: int, entry: object, max_upload_bytes: int) -
             raise ValueError(f"{where}.{name} is missing")
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(f"{where}.{name} must be {kind.__name__}, got {_brief(value)}")
+            raise ValueError(f"{where}.{name} must be {kind.__name__}, got {brief(value)}")
     for name, kind in OPTIONAL_ENTRY_FIELDS.items():
         value = entry.get(name)
         if value is None:  # absent, or null: not known (an upload made without Flower)
             continue
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"{where}.{name} must be {kind.__name__} or null, got "
-                             f"{_brief(value)}")
+                             f"{brief(value)}")
         low, high = _FIELD_RANGES.get(name, (None, None))
         if low is not None and not low <= value <= high:
             raise ValueError(f"{where}.{name} is {value}, expected {low}..{high}")
         if name == "client_id_source" and value not in _ID_SOURCES:
-            raise ValueError(f"{where}.{name} is {_brief(value)}, expected one of "
+            raise ValueError(f"{where}.{name} is {brief(value)}, expected one of "
                              f"{list(_ID_SOURCES)}")
     unknown = sorted(map(str, set(entry) - set(ENTRY_FIELDS) - set(OPTIONAL_ENTRY_FIELDS)))
     if unknown:
-        raise ValueError(f"{where} has unknown field(s) {_brief(unknown)}")
+        raise ValueError(f"{where} has unknown field(s) {brief(unknown)}")
     num_members = entry["num_members"]
     if not 1 <= num_members <= MAX_MEMBERS:
         raise ValueError(f"{where}.num_members is {num_members}, expected 1..{MAX_MEMBERS}")
@@ -337,13 +340,13 @@ def _inside(root: Path, file: str, where: str) -> Path:
     no ``..``, no symlink leading out)."""
     relative = PurePath(file)
     if not file or relative.is_absolute() or ".." in relative.parts:
-        raise ValueError(f"{where}.file {_brief(file)} is not a path inside the upload folder")
+        raise ValueError(f"{where}.file {brief(file)} is not a path inside the upload folder")
     path = (root / relative).resolve()
     if not path.is_relative_to(root.resolve()):
-        raise ValueError(f"{where}.file {_brief(file)} leads outside the upload folder "
+        raise ValueError(f"{where}.file {brief(file)} leads outside the upload folder "
                          "(a symlink?)")
     if not path.is_file():
-        raise ValueError(f"{where}.file {_brief(file)} is not a file in the upload folder")
+        raise ValueError(f"{where}.file {brief(file)} is not a file in the upload folder")
     return path
 
 
@@ -353,7 +356,7 @@ def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -
     size = path.stat().st_size
     if size > max_upload_bytes + NPZ_OVERHEAD_BYTES:
         raise ValueError(f"{file} is {size} bytes, above the cap on one client's upload "
-                         f"({max_upload_bytes} bytes, max_upload_bytes)")
+                         f"({max_upload_bytes} bytes, UploadLimits.upload_bytes)")
     arrays: list[tuple[zipfile.ZipInfo, int, str, str]] = []
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
@@ -361,15 +364,16 @@ def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -
         if declared > max_upload_bytes:
             raise ValueError(f"{file} declares {declared} uncompressed bytes in its zip "
                              f"headers, above the cap on one client's upload "
-                             f"({max_upload_bytes} bytes, max_upload_bytes); not inflated")
+                             f"({max_upload_bytes} bytes, UploadLimits.upload_bytes); not "
+                             "inflated")
         seen: set[tuple[int, str, str]] = set()
         for info in infos:
             m, section, name = _array_key(info.filename, file, num_members)
             if info.compress_type not in _ZIP_COMPRESSIONS:
-                raise ValueError(f"{file}: {_brief(info.filename)} uses zip compression "
+                raise ValueError(f"{file}: {brief(info.filename)} uses zip compression "
                                  f"{info.compress_type}; np.savez writes stored or deflated")
             if (m, section, name) in seen:
-                raise ValueError(f"{file}: array {_brief(info.filename)} appears twice")
+                raise ValueError(f"{file}: array {brief(info.filename)} appears twice")
             seen.add((m, section, name))
             with archive.open(info) as stream:
                 npy_layout(stream, info.file_size, f"{file}:{info.filename}")
@@ -377,7 +381,7 @@ def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -
     empty = sorted(set(range(num_members)) - {m for _, m, _, _ in arrays})
     if empty:
         raise ValueError(f"the manifest says {num_members} member(s) but {file} holds no "
-                         f"arrays for member(s) {_brief(empty)}")
+                         f"arrays for member(s) {brief(empty)}")
     return _Plan(path, file, num_members, arrays, declared)
 
 
@@ -398,7 +402,7 @@ def _array_key(filename: str, file: str, num_members: int) -> tuple[int, str, st
     parts = filename.removesuffix(".npy").split("/", 2)
     if not filename.endswith(".npy") or len(parts) != 3 or not all(parts) or not (
             parts[0][:1] == "m" and parts[0][1:].isdigit() and parts[0][1:].isascii()):
-        raise ValueError(f"{file}: entry {_brief(filename)} is not 'm<member>/<section>/"
+        raise ValueError(f"{file}: entry {brief(filename)} is not 'm<member>/<section>/"
                          "<name>.npy'")
     member = int(parts[0][1:])
     if member >= num_members:

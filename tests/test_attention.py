@@ -29,7 +29,7 @@ from fedfusion.core.state import StateLayout
 from fedfusion.curvature import curvature_from_arrays
 from fedfusion.curvature.fit import fit_curvature
 from fedfusion.curvature.hybrid import hybrid_kron_fit
-from fedfusion.gram import layer_grams, model_gram_sizes
+from fedfusion.sections.gram import layer_grams, model_gram_sizes
 
 DIM, HEADS, TOKENS, CLASSES = 4, 2, 5, 3
 

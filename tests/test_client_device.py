@@ -109,11 +109,12 @@ def test_an_upload_with_a_malformed_device_metric_is_refused_naming_the_client()
     upload = make_upload([nn.Sequential(nn.Flatten(), nn.Linear(4, 3))],
                          torch.randn(6, 1, 2, 2), torch.arange(6) % 3)
     upload.metrics[DEVICE_METRIC] = -7
-    from fedfusion.wire import UploadError
+    from fedfusion.wire import UploadError, UploadLimits
 
     with pytest.raises(UploadError, match=f"client 4.*{DEVICE_METRIC}"):
         decode_upload(encode_upload(upload), "client 4",
-                      lambda _m, _k: {"1.weight": (3, 4), "1.bias": (3,)}, max_upload_bytes=10**6)
+                      lambda _m, _k: {"1.weight": (3, 4), "1.bias": (3,)},
+                      limits=UploadLimits(upload_bytes=10**6))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""A client error names the exception the ClientApp raised (issue 25, item 4), also when
+"""A client error names the exception the ClientApp raised, also when
 Flower's Ray backend wrapped it: the reasons are made by Flower's and Ray's own code here
 (the actor's ``run``, ``RayTaskError.as_instanceof_cause``, the worker's reason format); the
 same under a real `flwr run` is in test_e2e_flower.py."""

@@ -46,7 +46,7 @@ def test_a_second_load_maps_the_cache_and_equals_a_fresh_load(
     def no_raw_reads(*_args: object) -> None:
         raise AssertionError("the cached dataset was read from its IDX files again")
 
-    monkeypatch.setattr(loading, "_load_raw", no_raw_reads)
+    monkeypatch.setattr(loading, "load_raw", no_raw_reads)
     second = load_dataset("mnist", data_dir=str(data), val_size=5, seed=3)
     monkeypatch.undo()
     monkeypatch.setenv(loading.CACHE_ENV, "off")

@@ -143,7 +143,7 @@ def test_fedbens_through_flwr_run_and_its_uploads_replay_exactly(fedbens_live, t
             assert replayed["test"]["accuracy"] >= floor
 
 
-#: the FedBEns paper's baselines (issue 5) replayed inside `flwr run` from member 0 of the
+#: the FedBEns paper's baselines replayed inside `flwr run` from member 0 of the
 #: FedBEns uploads, with their run-config changes; each must reach BASELINE_FLOOR (measured:
 #: FedFisher 65.3%, RegMean 65.6%, Fisher merging 59.4%, OTFusion and DENSE 59.3%, the
 #: member-0 FedAvg they start from 59.3%, the ensemble 66.7%)

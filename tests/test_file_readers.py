@@ -1,4 +1,4 @@
-"""Readers of files a user or an attacker hands over, bounded in memory and time (issue 26):
+"""Readers of files a user or an attacker hands over, bounded in memory and time:
 predictor files that expand on load (item 5), partition files (item 6), output folders with
 symlinks in them (item 7) and replays whose clients add up (item 8)."""
 

@@ -478,7 +478,7 @@ NODE_KEYS = st.integers(-3, 2**64 + 3).map(str) | st.text(max_size=22)
 @settings(FUZZ, max_examples=200)
 @given(st.data())
 def test_client_registry_files_load_checked_or_raise_registry_error(data):
-    """A client registry file (issue 26, item 1) of any bytes, any JSON, or an almost-right
+    """A client registry file of any bytes, any JSON, or an almost-right
     registry: the reader returns a registry that keeps every promise (uint64 node ids,
     client ids in 0..2**31-1, no client id twice) or raises RegistryError naming the file;
     nothing else."""

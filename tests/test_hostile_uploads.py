@@ -7,6 +7,7 @@ federations in which one client sends each hostile upload and the others finish 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -27,17 +28,17 @@ from fedfusion.core.fusion import FusionContext
 from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
+from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_WEIGHT, SECTIONS
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.objective import mixture_log_posterior
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
-    MAX_ABS_CURVATURE,
-    MAX_ABS_WEIGHT,
     META_KEY,
     METRICS_KEY,
     ClientUpload,
     UploadError,
+    UploadLimits,
     decode_upload,
     encode_upload,
     member_key,
@@ -129,13 +130,14 @@ def test_any_exception_from_param_shapes_is_an_upload_error(error):
         validate_upload(make_upload(), shapes)
 
 
-def test_any_exception_from_a_section_validator_is_an_upload_error(monkeypatch):
+def test_any_exception_from_a_section_validator_is_an_upload_error():
     def broken(arrays, shapes):  # noqa: ANN001, ANN202
         raise IndexError("index 7 is out of bounds")
 
-    monkeypatch.setitem(validation._SECTION_VALIDATORS, "weights", broken)
+    table = {**SECTIONS, "weights": dataclasses.replace(SECTIONS["weights"], validator=broken)}
     with pytest.raises(UploadError, match="member 0 section 'weights': IndexError: index 7"):
-        decode_upload(encode_upload(make_upload()), "node 7", CONTEXT.param_shapes)
+        decode_upload(encode_upload(make_upload()), "node 7", CONTEXT.param_shapes,
+                      table=table)
 
 
 def test_model_kwargs_json_is_capped_before_it_is_parsed(monkeypatch):
@@ -154,7 +156,7 @@ def test_model_kwargs_json_is_capped_before_it_is_parsed(monkeypatch):
     assert parsed == []  # neither reached the parser
     assert "model-kwargs is not JSON: NaN is not a number JSON allows" in reason('{"a": NaN}')
     assert "model-kwargs must be a JSON object" in reason("[1, 2]")
-    assert validation._json_depth('{"s": "[[[{{\\"[", "t": [[1]]}') == 3  # strings don't count
+    assert validation.json_depth('{"s": "[[[{{\\"[", "t": [[1]]}') == 3  # strings don't count
 
 
 # ------------------------------------------------------------------ bytes and byte order
@@ -233,10 +235,13 @@ def test_oversized_uploads_are_refused_with_bounded_memory():
 def test_the_byte_cap_is_configurable_for_live_and_cached_uploads():
     content = encode_upload(make_upload())  # 2 lenet members: 353,520 bytes of arrays
     with pytest.raises(UploadError, match="declare more than 300000 bytes"):
-        decode_upload(content, "node 7", CONTEXT.param_shapes, max_upload_bytes=300_000)
-    decode_upload(content, "node 7", CONTEXT.param_shapes, max_upload_bytes=400_000)
+        decode_upload(content, "node 7", CONTEXT.param_shapes,
+                      limits=UploadLimits(upload_bytes=300_000))
+    decode_upload(content, "node 7", CONTEXT.param_shapes,
+                  limits=UploadLimits(upload_bytes=400_000))
     with pytest.raises(UploadError, match="declare more than 300000 bytes"):
-        validate_upload(make_upload(), CONTEXT.param_shapes, max_upload_bytes=300_000)
+        validate_upload(make_upload(), CONTEXT.param_shapes,
+                        limits=UploadLimits(upload_bytes=300_000))
     many = make_upload(members=1)
     many.members = many.members * 65
     with pytest.raises(UploadError, match="upload has 65 members, expected 1..64"):
@@ -529,14 +534,14 @@ def test_npz_sizes_are_checked_in_the_zip_headers_before_inflating(tmp_path):
     assert (folder / "client_1.npz").stat().st_size < 100_000
     tracemalloc.start()
     try:
-        ids, failures = _load(folder, max_upload_bytes=4 * 2**20)
+        ids, failures = _load(folder, limits=UploadLimits(upload_bytes=4 * 2**20))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert ids == [0, 2]
     assert failures["1"] == ("client_1.npz declares 33554692 uncompressed bytes in its zip "
                              "headers, above the cap on one client's upload (4194304 bytes, "
-                             "max_upload_bytes); not inflated")
+                             "UploadLimits.upload_bytes); not inflated")
     assert peak < 4 * 2**20, peak
 
 

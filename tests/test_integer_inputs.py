@@ -1,4 +1,4 @@
-"""Integer inputs (issue 38, item 2): a token model, scikit-learn's digits as 64 integer
+"""Integer inputs: a token model, scikit-learn's digits as 64 integer
 tokens (pixel intensities 0..16) into an ``nn.Embedding``, wherever inputs travel: the
 client's data and sections (weights, diag and Kron curvature, Gram) through the wire format,
 the server's validation and test data, evaluation, BatchNorm recalibration, the chance check,

@@ -96,9 +96,7 @@ def test_an_interrupted_launch_stops_its_run_and_leaves_no_process(
     log = tmp_path / "launch.log"
     # about 3.5 min of training at the stacked trainer's 15,000 samples/s, so the signal comes
     # while the clients train even when the test sees the Ray worker late (100 epochs, about
-    # 70 s, ended first once, with the library tests on the other core). (With 3,000 epochs
-    # the launcher once took more than 120 s to exit after the signal in CI, cause not found:
-    # its stop now logs each step, issue 25.)
+    # 70 s, ended first once, with the library tests on the other core).
     config = (f"num-clients=2 local-epochs=300 train-subset=20000 alpha=1.0 val-size=100 "
               f"output-dir='{tmp_path}' run-name=interrupted")
     # pid -> every command line seen (Ray workers retitle themselves "ray::ClientAppActor..."

@@ -1,4 +1,4 @@
-"""The package's layers (issue 25, item 6), checked from the source: imports point down and
+"""The package's layers, checked from the source: imports point down and
 never in a circle, the library stays free of the App, of Flower's private modules and of the
 optional native code, and what ``start()`` returns is usable by any Flower code."""
 
@@ -229,6 +229,69 @@ def test_no_private_flower_imports_or_attributes():
                     node.value.id in {"TaskIdentity", "Message", "Grid", "Strategy", "Result"}:
                 bad.append(f"{name}: {node.value.id}.{node.attr}")
     assert bad == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_crossings(name: str, source: str, is_package: bool = False) -> list[str]:
+    """Private names (``_x``) of another fedfusion module that module ``name`` uses: imported
+    (``from fedfusion.m import _x``) or read as an attribute (``m._x``, ``fedfusion.m._x``)."""
+    tree = ast.parse(source)
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    aliases: dict[str, str] = {}  # local name -> the fedfusion module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("fedfusion") or base == name:
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{name}: from {base} import {alias.name}")
+                if f"{base}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("fedfusion"):
+                    local = alias.asname or alias.name.split(".")[0]
+                    aliases[local] = alias.name if alias.asname else "fedfusion"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in aliases:
+            target = ".".join([aliases[value.id], *reversed(chain)])
+            if target in MODULES and target != name:
+                found.append(f"{name}: {target}.{node.attr}")
+    return found
+
+
+def test_the_private_name_scan_sees_planted_uses():
+    planted = ("from fedfusion.wire.validation import _hidden\n"
+               "from ..wire import validation\n"
+               "import fedfusion.wire.npy\n"
+               "import fedfusion.wire.decode as decode\n"
+               "validation._a, fedfusion.wire.npy._b, decode._c, decode.__name__, self._d\n")
+    assert private_crossings("fedfusion.strategies.x", planted) == [
+        "fedfusion.strategies.x: from fedfusion.wire.validation import _hidden",
+        "fedfusion.strategies.x: fedfusion.wire.validation._a",
+        "fedfusion.strategies.x: fedfusion.wire.npy._b",
+        "fedfusion.strategies.x: fedfusion.wire.decode._c",
+    ]
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    found = [crossing for name, path in MODULES.items()
+             for crossing in private_crossings(name, path.read_text(),
+                                               path.name == "__init__.py")]
+    assert found == []
 
 
 def _error_messages(path: Path) -> list[str]:

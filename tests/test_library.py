@@ -1,5 +1,5 @@
 """fedfusion as a library in someone else's Flower project: their model class, their data,
-their ClientApp, our strategies (issue 14). Real Fashion-MNIST rows, a model not in the zoo."""
+their ClientApp, our strategies. Real Fashion-MNIST rows, a model not in the zoo."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from fedfusion import LocalGrid, client, evaluate
 from fedfusion.app.config import STRATEGY_KEYS, Settings
-from fedfusion.core.fusion import Fusion, _summarise_reason
+from fedfusion.core.fusion import Fusion, summarise_reason
 from fedfusion.flower.identity import SERVER_ID_BASE
 from fedfusion.strategies import (
     STRATEGIES,
@@ -219,7 +219,7 @@ def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
 
 def test_a_hung_client_is_left_behind_at_the_round_timeout(fmnist):
     """LocalGrid honours the timeout as a real grid does: a client that never returns does
-    not block the round (issue 26: 20 s and counting with round-timeout 5)."""
+    not block the round."""
     import threading
     import time
 
@@ -249,7 +249,7 @@ def test_a_long_client_error_keeps_its_root_cause():
     """A Ray-wrapped traceback is cut to its first line and its last error line."""
     reason = ("client error: ClientAppException: exception in ClientApp\n" + "  frame\n" * 400
               + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    summary = _summarise_reason(reason)
+    summary = summarise_reason(reason)
     assert summary.startswith("client error: ClientAppException")
     assert summary.endswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
                             "2.00 GiB") and len(summary) < 600

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.client_app import node_client_id, training_data
 from fedfusion.datasets import LocalDataError, read_local_data, write_local_data
-from fedfusion.datasets.loading import _load_raw
+from fedfusion.datasets.loading import load_raw
 
 SHAPE = (1, 28, 28)
 
@@ -170,7 +170,7 @@ def device_files(tmp_path_factory) -> dict[int, Path]:
     """Five devices' own files: disjoint, label-skewed slices of real Fashion-MNIST pixels
     (as a device would hold them), of different sizes."""
     folder = tmp_path_factory.mktemp("devices")
-    images, labels = _load_raw("fmnist", None)["train"]
+    images, labels = load_raw("fmnist", None)["train"]
     rng = np.random.default_rng(7)
     files = {}
     start = 0
@@ -278,7 +278,7 @@ def test_demo_files_with_a_class_mix_per_device(tmp_path):
     """--alpha: each device its own Dirichlet class mix; disjoint rows; device i's file the
     same whatever the device count; a bad alpha refused."""
     from fedfusion.datasets.__main__ import main
-    from fedfusion.datasets.loading import _load_raw
+    from fedfusion.datasets.loading import load_raw
 
     assert main(["demo", str(tmp_path / "a"), "--devices", "3", "--samples", "300",
                  "--alpha", "0.1"]) == 0
@@ -293,7 +293,7 @@ def test_demo_files_with_a_class_mix_per_device(tmp_path):
     # alpha 0.1: a device's largest class holds most of its rows, and the mixes differ
     assert (shares.max(axis=1) > 0.5).all() and len({int(s.argmax()) for s in shares}) > 1
     # the rows are the training set's, disjoint across devices
-    images, _ = _load_raw("fmnist", None)["train"]
+    images, _ = load_raw("fmnist", None)["train"]
     seen = {image.tobytes() for image in images}
     flat = [row.tobytes() for f in files for row in f.x]
     assert len(set(flat)) == len(flat) and set(flat) <= seen

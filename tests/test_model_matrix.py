@@ -1,4 +1,4 @@
-"""The strategy x model matrix (issue 24): every strategy on the model families users have
+"""The strategy x model matrix: every strategy on the model families users have
 (BatchNorm CNN, ResNet with and without BatchNorm, LayerNorm MLP), trained on real
 Fashion-MNIST rows, uploaded through the wire format (encode -> decode -> validate), fused.
 
@@ -6,7 +6,7 @@ Every cell either fuses to a finite predictor well above chance (and, unless the
 server step is FedAvg's, one that predicts otherwise than FedAvg of the same uploads), or is
 refused by design with a message that names the module and the alternative (PFNM takes MLPs
 only). No cell may die with an internal error. The accuracy of each cell at benchmark scale is in
-benchmarks/README.md ("Real models").
+benchmarks/docs/real-models.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A claimed client id cannot displace another client (issue 26, item 1).
+"""A claimed client id cannot displace another client.
 
 Identity comes from what the server knows, the Flower node id of the message a reply answers,
 never from the ``client-id`` a reply writes (:mod:`fedfusion.flower.identity`). The rounds

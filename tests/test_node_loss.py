@@ -1,4 +1,4 @@
-"""Node loss is reported once, naming the right node and the real reason (issue 28, item 4).
+"""Node loss is reported once, naming the right node and the real reason.
 
 When a SuperNode dies mid-round, Flower's SuperLink answers its message itself: an error reply
 with code NODE_UNAVAILABLE whose ``src_node_id`` is the SuperLink's (1), not the node's, and

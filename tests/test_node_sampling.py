@@ -1,5 +1,5 @@
-"""Bounded waits for nodes and seeded node sampling, through the public Grid API only
-(issue 25, item 5a): fake grids, no Flower run."""
+"""Bounded waits for nodes and seeded node sampling, through the public Grid API only:
+fake grids, no Flower run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run names that cannot leave output-dir (issue 39, item 4).
+"""Run names that cannot leave output-dir.
 
 Before this, ``run-name`` ``../escaped``, ``a/../../x``, an absolute path, ``..`` or
 ``link/r2`` (``link`` a symlink inside output-dir to a folder outside) had a run write its

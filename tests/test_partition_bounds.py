@@ -1,4 +1,4 @@
-"""The partition reader bounded by the work a file implies (issue 39, item 3).
+"""The partition reader bounded by the work a file implies.
 
 A partition file under every byte cap can still declare far more rows than any training set
 has: deflate packs a GB of zeros into a MB. Before this, an npz whose client declared 1e9 int8
@@ -122,12 +122,12 @@ def bounded_read(path: Path, num_rows: int, num_clients: int
 
 
 HOSTILE = {
-    # issue 39: 0.93 GiB declared (under the 1 GiB cap), ~1 MB deflated; was MemoryError 7.45 GiB
+    # 0.93 GiB declared (under the 1 GiB cap), ~1 MB deflated: must fail before allocating
     "1e9 int8 rows in one client": (
         {"client0.npy": zeros_member(10**9, "|i1"), "client1.npy": rows_member(np.arange(3))},
         "client 0: its .npy header declares 1000000000 rows, more than the training set's "
         "60000; not inflated"),
-    # issue 39: 0.75 GiB declared, 0.7 MiB on disk; was 169 s and 2.27 GiB
+    # 0.75 GiB declared, 0.7 MiB on disk: must fail before reading it all
     "1e8 int64 rows in one client": (
         {"client0.npy": zeros_member(10**8, "<i8"), "client1.npy": rows_member(np.arange(3))},
         "client 0: its .npy header declares 100000000 rows, more than the training set's "

@@ -1,4 +1,4 @@
-"""Bring-your-own partition (issue 17): the file reader, its errors, the split it gives on real
+"""Bring-your-own partition: the file reader, its errors, the split it gives on real
 Fashion-MNIST, input normalisation constants, and a whole run + replay pinned by the file's hash."""
 
 from __future__ import annotations

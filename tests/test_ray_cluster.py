@@ -1,6 +1,6 @@
 """The App's simulation on a Ray cluster that already runs (``ray start --head``), as on a
 cluster of several machines: the simulation attaches to it through ``RAY_ADDRESS`` instead of
-starting a Ray instance of its own (docs/configuration.md, "A Ray cluster")."""
+starting a Ray instance of its own (docs/configuration/running.md, "A Ray cluster")."""
 
 from __future__ import annotations
 

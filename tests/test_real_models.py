@@ -1,4 +1,4 @@
-"""Real models (issue 24): BatchNorm, LayerNorm, residual blocks and buffers in every strategy.
+"""Real models: BatchNorm, LayerNorm, residual blocks and buffers in every strategy.
 
 Three groups:
 

@@ -15,7 +15,8 @@ from fedfusion.core.fusion import FusionContext
 from fedfusion.core.predictors import ModelSpec
 from fedfusion.core.state import weighted_average
 from fedfusion.datasets import ImageData
-from fedfusion.gram import (
+from fedfusion.sections import build_section
+from fedfusion.sections.gram import (
     expected_gram_sizes,
     gram_layers,
     layer_grams,
@@ -24,7 +25,6 @@ from fedfusion.gram import (
     model_gram_sizes,
     validate_grams,
 )
-from fedfusion.sections import build_section
 from fedfusion.strategies.regmean import RegMean, parse_alphas
 from fedfusion.wire import ClientUpload, UploadError, validate_upload
 

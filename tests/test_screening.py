@@ -1,4 +1,4 @@
-"""Robust aggregation (issue 26, items 2 and 3): claimed example counts are capped relative to
+"""Robust aggregation: claimed example counts are capped relative to
 the other clients, uploads whose weights are far out of line with the others' are screened
 out, and a fused model at chance on the validation data says so.
 
@@ -34,11 +34,11 @@ from fedfusion.core.screening import (
     chance_margin,
     screen_weight_norms,
 )
+from fedfusion.sections import MAX_ABS_WEIGHT
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
 from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import METRICS_KEY, member_key
-from fedfusion.wire.validation import MAX_ABS_WEIGHT
 
 HOSTILE = 3  # the hostile client's id; 0, 1, 2 are honest
 

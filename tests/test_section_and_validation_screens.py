@@ -35,6 +35,7 @@ from fedfusion.core.screening import (
     section_scales,
 )
 from fedfusion.core.state import weighted_average
+from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_GRAM
 from fedfusion.server_app import run_server
 from fedfusion.strategies import (
     FedAvg,
@@ -45,7 +46,7 @@ from fedfusion.strategies import (
     FusionStrategy,
     RegMean,
 )
-from fedfusion.wire import MAX_ABS_CURVATURE, MAX_ABS_GRAM, ClientUpload
+from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import member_key
 
 HOSTILE = 3  # the hostile client's id; 0, 1, 2 are honest
@@ -149,8 +150,7 @@ def test_one_clients_curvature_or_gram_at_the_cap_is_screened_out(fmnist, make, 
     """1 hostile client of 4 whose curvature (or Gram) is at the cap: with the screen off
     the fusion follows it (accuracy drops by ``drop`` or more from the honest fusion);
     screened it is excluded naming the section and layer, and the fusion is the honest
-    clients' own, exactly. Measured: benchmarks/README.md, "Curvature, Gram and validation
-    screens"."""
+    clients' own, exactly. Measured: benchmarks/docs/screening.md."""
     hostile = at_the_cap(fmnist, section)
     honest, off, screened, strategy = three_ways(make, hostile, fmnist, **kwargs)
     assert screened == honest, (screened, honest)

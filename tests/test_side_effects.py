@@ -1,6 +1,6 @@
 """Library calls leave the caller's process as they found it: torch's, numpy's and Python's
 global RNGs, torch's default dtype and thread count, the logging configuration and ASDL's
-classes (issue 25, item 2)."""
+classes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replies handed over as they arrive, uploads on disk as they arrive (issue 27, item 1).
+"""Replies handed over as they arrive, uploads on disk as they arrive.
 
 A grid with Flower's public push / pull API whose replies come in one per pull: the
 strategy, started on it, decodes each reply and writes its upload to the folder before the

@@ -18,7 +18,7 @@ A library call uses none of it unless asked: ``accelerate=True`` on
 calls that leave ``accelerate`` unset. Without it the client path is PyTorch and laplace-torch
 only, runs wherever they run and never invokes a compiler. The App's own simulation turns it
 on (run-config ``accelerate``, default true) where it was measured faster; see
-``docs/library.md`` ("Optional acceleration") for what it buys and on which platforms.
+``docs/library/acceleration.md`` for what it buys and on which platforms.
 ``FEDFUSION_NO_KERNELS=1`` keeps the stacked trainer but without compiled kernels.
 """
 

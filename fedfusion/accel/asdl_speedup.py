@@ -6,10 +6,8 @@ ASDL's ``Conv2d.cov_kron_A`` / ``cov_kron_B`` receive the batch as ``X`` of shap
 ``L`` output positions) and compute ``M M^T`` with ``M = X.transpose(0, 1).flatten(1)``, a
 ``[K, n L]`` copy of the batch. The same ``K x K`` matrix is ``sum_n X_n X_n^T``, a batched
 product that reads ``X`` in place. That is much faster where the positions outnumber the
-channels (LeNet's first convolution: ``K = 25``, ``L = 576``, 3.0 ms instead of 12.9 ms per
-256-sample batch on one core) and slower where they do not (second convolution, A factor:
-``K = 150``, ``L = 64``: 11.5 ms instead of 9.8 ms), so the batched form is used only when
-``4 K <= L``. ASDL's own code handles every other case.
+channels and slower where they do not (benchmarks/docs/throughput.md), so the batched form
+is used only when ``4 K <= L``. ASDL's own code handles every other case.
 
 The values are the same matrix up to float summation order (the tests compare with ASDL's
 functions). :func:`patched` swaps the two static methods for the duration of a ``with`` block

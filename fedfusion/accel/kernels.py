@@ -1,11 +1,9 @@
 """Small compiled CPU kernels for the stacked trainer (:mod:`fedfusion.accel.stacked`).
 
 At the sizes of the zoo's small models (LeNet: 1 -> 6 -> 16 channels) PyTorch's CPU kernels
-are far from the arithmetic peak: oneDNN computes the weight gradient of a 1-channel 5x5
-convolution at ~1.8 ms per 64-sample batch, ``max_pool2d`` takes ~1 ms forward plus a scatter
-backward. The plain C loops here, with every size a compile-time constant so that the
-compiler keeps the accumulators in vector registers, do the same work in a fraction of that
-(``benchmarks/throughput.py``).
+are far from the arithmetic peak. The plain C loops here, with every size a compile-time
+constant so that the compiler keeps the accumulators in vector registers, do the same work
+in a fraction of the time (benchmarks/docs/throughput.md).
 
 The C source is generated from the layer's sizes (integers only), compiled once per machine
 with the system C compiler (``$CC``, else ``cc``) into a per-user cache folder (mode 0700,
@@ -22,12 +20,7 @@ the forward pass and weight gradient of a direct convolution (:func:`conv_kernel
 2x2 max-pool with an optional ReLU, forward and backward (:func:`pool_kernels`), and the
 input gradient of a convolution where its accumulators fit in registers
 (:func:`input_grad_block`), and SGD's momentum step in one pass (:func:`sgd_kernel`, bit for
-bit PyTorch's, checked when loaded). Variants measured and dropped: an input gradient as the
-correlation of the zero-padded output gradient with the flipped kernel (2.3x slower than
-oneDNN's: 2.25x the multiply-adds on LeNet's second layer, most of them with zeros), and a
-fused pool + convolution backward over only the windows' chosen entries (a quarter of the
-multiply-adds, but 1.7-2.3x slower: scalar read-modify-writes, and a patch per output
-channel instead of one shared by all).
+bit PyTorch's, checked when loaded).
 """
 
 from __future__ import annotations
@@ -53,14 +46,12 @@ log = logging.getLogger("fedfusion")
 DISABLE_ENV = "FEDFUSION_NO_KERNELS"
 CACHE_ENV = "FEDFUSION_KERNEL_CACHE"
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared")
-#: vector accumulators the input gradient may keep: ``[CB, KW, WO]`` partial rows (LeNet's
-#: second layer, 5 members: 1.96 ms at CB = 2 (10 registers), 2.32 ms at 3 (15), 2.41 ms at
-#: 1, against 3.66 ms for oneDNN's)
+#: vector accumulators the input gradient may keep: ``[CB, KW, WO]`` partial rows (the
+#: fastest block on LeNet's second layer; benchmarks/docs/throughput.md)
 _IGRAD_REGISTERS = 12
 #: vector accumulators a convolution kernel may keep (AVX2 has 16 registers; a few spills
 #: cost less than splitting the output channels into blocks, which reloads every input row
-#: per block: LeNet's layers, 5 members, weight gradient 1.80 ms / 2.48 ms at 18 against
-#: 2.29 / 3.60 ms at 12)
+#: per block)
 _ACC_REGISTERS = 18
 _FLOATS_PER_VECTOR = 8
 
@@ -285,10 +276,7 @@ def _block(channels: int, width: int) -> int:
 def forward_block(out_channels: int, out_height: int, out_width: int) -> tuple[int, int]:
     """(output channels, output rows) the compiled forward pass computes at once: two rows of
     half the channels where the rows pair up and that fits in 16 vector registers (each
-    weight then serves two rows: LeNet's second layer, 5 members, 2.01 ms against 2.28 ms
-    for one row of all 16 channels, 2.55 ms for four rows of 4), else one row of
-    :func:`_block` channels (LeNet's first layer, which two rows of 3 channels x 3 vectors
-    would take to 18 registers: 1.44 ms either way)."""
+    weight then serves two rows), else one row of :func:`_block` channels."""
     half = out_channels // 2
     if out_channels % 2 == 0 and out_height % 2 == 0 and 2 * half * _vectors(out_width) <= 16:
         return half, 2

@@ -8,18 +8,17 @@ seed's shuffle), its own momentum buffer and its own loss terms; a step computes
 member at once, exactly the gradient that member's own step would (the same mean
 cross-entropy over its own batch), up to float summation order.
 
-Why not autograd over PyTorch's layers: on one CPU core a LeNet step at batch 64 is not
-limited by per-op overhead but by slow kernels at these small sizes (torch 2.14, measured in
-``benchmarks/throughput.py``): ``max_pool2d`` costs ~1 ms forward plus its scatter backward,
-oneDNN's weight gradient of the first convolution ~2.6 ms, against ~1.5 ms for the whole
-first convolution's forward. Grouped convolutions over channel-stacked members inherit the
-same kernels (no gain, measured), and ``torch.compile`` on CPU was slower than eager. Here
-every layer is written as a few large, regular operations over all members:
+Why not autograd over PyTorch's layers: on one CPU core a small model's step is limited not
+by per-op overhead but by PyTorch's slow kernels at these sizes (``max_pool2d`` and its
+scatter backward, oneDNN's weight gradient of a few-channel convolution); grouped
+convolutions over channel-stacked members inherit the same kernels, and ``torch.compile`` on
+the CPU is slower than eager (benchmarks/docs/throughput.md). Here every layer is written as
+a few large, regular operations over all members:
 
 * convolutions run member by member inside one compiled kernel (:mod:`fedfusion.accel.kernels`)
   where that is fastest, else as im2col + one batched GEMM (``torch.bmm``) per pass or as
   PyTorch's own convolution per member (:class:`StackedConv2d`); every buffer is reused from step to
-  step (a fresh 18 MB im2col buffer per step costs ~500 page faults);
+  step (a fresh large buffer page-faults at every step);
 * a 2x2 max-pool and the ReLU next to it are one compiled kernel, or, without a C compiler,
   three ``maximum`` of the windows' corners with the first-maximum choice kept as masks; both
   route each gradient to the same position as PyTorch's ``max_pool2d`` (the first maximum in
@@ -149,14 +148,12 @@ class StackedConv2d(_Layer):
       pass, the weight gradient (stride 1, no padding or dilation, all output channels in
       one register block: :func:`fedfusion.accel.kernels.one_block`) and the input gradient where
       its accumulators fit in registers (:func:`fedfusion.accel.kernels.input_grad_block`; else
-      PyTorch's). LeNet's layers, 5 members: forward + weight gradient of the first 3.3 ms
-      against 11.8 ms (oneDNN) and 7.4 ms (``gemm``); the second 4.9 ms against 5.0 ms
-      (oneDNN), and its input gradient 2.0 ms against 3.7 ms (oneDNN);
+      PyTorch's), where it beats oneDNN (LeNet's layers);
     * ``gemm``: im2col into a reused buffer + one batched GEMM per pass, for small patches
       (``C_in * kh * kw <= 32``) otherwise;
     * ``native``: PyTorch's own convolution, forward and backward, member by member on its
-      contiguous NCHW batch: the fastest for the rest (the CNN's layers 48 / 150 ms against
-      64 / 197 ms for ``gemm``, and 1.5-4x faster than the compiled kernels there).
+      contiguous NCHW batch: the fastest for the rest (the CNN's layers).
+    The timings behind the choice: benchmarks/docs/throughput.md.
     """
 
     #: largest patch (C_in * kh * kw) the ``gemm`` strategy is used for
@@ -354,8 +351,7 @@ class StackedConv2d(_Layer):
 class StackedLinear(_Layer):
     """Batched matmul on ``[M, B, F]``. Outputs and input gradients are stored feature-major
     (``[M, F, B]`` buffers, returned as ``[M, B, F]`` views): every GEMM then reads or writes
-    ``[F, B]`` matrices, 6% faster for the MLP's three layers at B = 64 than ``[B, F]`` ones
-    (1.70 against 1.81 ms a step for 5 members, the last layer 2.2x)."""
+    ``[F, B]`` matrices, faster for the MLP's layers than ``[B, F]`` ones."""
 
     def __init__(self, name: str, workspace: _Workspace, linears: Sequence[nn.Linear]):
         super().__init__(name, workspace)

@@ -26,7 +26,7 @@ from fedfusion.app.replay import replay
 #: epochs (minutes on 2 cores), each client keeping 10% of its rows out of training for FENS
 DEFAULT_RUN_CONFIG = "strategy=fedbens num-members=2 local-epochs=5 holdout-fraction=0.1"
 #: what the default job replays the uploads into: the lazy answers and the best one-pass
-#: method of the leaderboard (benchmarks/README.md)
+#: method of the leaderboard (benchmarks/docs/leaderboard.md)
 DEFAULT_METHODS = ("fedavg", "ensemble", "fens", "fens-distilled")
 
 

@@ -128,7 +128,7 @@ class Settings:
     fedbens_starts: str = "auto"
     fedbens_num_starts: int = 0
     fedbens_modes: int = 0
-    # FedBEns' baselines (issue 5)
+    # FedBEns' baselines
     fedfisher_steps: int = 2000
     fedfisher_lr: float = 0.01
     fedfisher_eval_every: int = 100
@@ -162,13 +162,13 @@ class Settings:
     fens_lr: float = 0.1
     fens_batch_size: int = 64
     fens_base: str = "members"
-    # SWA and its baselines (issue 6)
+    # SWA and its baselines
     swa_distance: str = "hos"
     swa_size_weighting: bool = False
     prox_mu: float = 0.01
     contrastive_weight: float = 0.0
     contrastive_temperature: float = 0.5
-    # AMS and its PFNM baseline (issue 6)
+    # AMS and its PFNM baseline
     ams_top_k: int = 1
     pfnm_sigma: float = 1.0
     pfnm_sigma0: float = 1.0
@@ -290,7 +290,7 @@ class Settings:
         self.parsed_fractions()
         self.parsed_replay_clients()
         self.parsed_replay_client_members()
-        # AMS and PFNM (issue 6)
+        # AMS and PFNM
         for key in ("ams-top-k", "pfnm-iters"):
             if getattr(self, key.replace("-", "_")) < 0:
                 raise ConfigError(f"run-config {key!r} must be >= 0")

@@ -47,12 +47,15 @@ from fedfusion.core.predictors import Ensemble
 from fedfusion.core.screening import capped_reason, chance_check, screen_uploads
 from fedfusion.core.state import state_arrays
 from fedfusion.distillation import DistillOptions, distil
+from fedfusion.sections import SECTIONS, SectionTable
 from fedfusion.wire import (
+    DEFAULT_LIMITS,
     WEIGHTS,
     ClientUpload,
     NumpyDict,
     ParamShapes,
     UploadError,
+    UploadLimits,
     validate_upload,
 )
 
@@ -140,6 +143,13 @@ FUSION_PARAMETERS = """
         if fusion fails (e.g. a ``fedfusion.upload_store.UploadWriter`` of a folder). A
         sink with a ``write(upload)`` method (the ``UploadWriter``) is also given each valid
         upload as its reply arrives.
+    upload_limits : fedfusion.wire.UploadLimits, default UploadLimits()
+        The caps on one client's upload (bytes, counts, name lengths), applied to every
+        reply before it is decoded and to every upload fused; an upload over one is excluded
+        with the client named.
+    section_table : mapping, default fedfusion.sections.SECTIONS
+        The upload sections this server accepts, each with its validator and value cap; a
+        strategy that asks for a section of a user's own passes a table that holds it.
     distill : {"none", "val", "synthetic"}, default "none"
         One network out of the fused predictor (:mod:`fedfusion.distillation`): "val"
         distils it (the teacher, kept as :attr:`distill_teacher`) into one network of the broadcast
@@ -222,6 +232,8 @@ class Fusion(ABC):
         val_screen: bool = True,
         num_examples_cap: float = 3.0,
         upload_sink: Callable[[list[ClientUpload]], None] | None = None,
+        upload_limits: UploadLimits = DEFAULT_LIMITS,
+        section_table: SectionTable = SECTIONS,
         distill: str = "none",
         distill_epochs: int = 30,
         distill_lr: float = 1e-3,
@@ -235,16 +247,16 @@ class Fusion(ABC):
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
             spec.num_classes = spec.num_classes or int(val_data.y.max()) + 1
         self.context = FusionContext(spec, resolve_device(device), val_data, seed)
-        _check("num_members", num_members, num_members >= 1, ">= 1")
-        _check("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
-        _check("init_perturbation", init_perturbation,
+        expect("num_members", num_members, num_members >= 1, ">= 1")
+        expect("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
+        expect("init_perturbation", init_perturbation,
                math.isfinite(init_perturbation) and init_perturbation >= 0, "a number >= 0")
         self.init_perturbation = float(init_perturbation)
-        _check("norm_stats", norm_stats, norm_stats in NORM_STATS, f"one of {NORM_STATS}")
-        _check("norm_stats", norm_stats, (norm_stats == "client") <= self.keeps_client_models,
+        expect("norm_stats", norm_stats, norm_stats in NORM_STATS, f"one of {NORM_STATS}")
+        expect("norm_stats", norm_stats, (norm_stats == "client") <= self.keeps_client_models,
                f"'average' or 'recalibrate' for {type(self).__name__}, which fuses the client "
                "models ('client' keeps each client's statistics: ensemble and AMS only)")
-        _check("norm_stats", norm_stats, norm_stats in ("auto", "client")
+        expect("norm_stats", norm_stats, norm_stats in ("auto", "client")
                or not self.keeps_client_models,
                f"'client' or 'auto' for {type(self).__name__}, whose predictor keeps every "
                "client model with its own statistics")
@@ -261,20 +273,20 @@ class Fusion(ABC):
             if has_val else "auto: no validation set to re-estimate them on")
         #: which members of each upload are fused ("first", "each" or "all")
         self.member_fusion = member_fusion or self.member_fusions[0]
-        _check("member_fusion", self.member_fusion, self.member_fusion in self.member_fusions,
+        expect("member_fusion", self.member_fusion, self.member_fusion in self.member_fusions,
                f"one of {self.member_fusions} for {type(self).__name__}")
         self.num_members, self.min_valid_uploads = num_members, min_valid_uploads
-        _check("screen_factor", screen_factor, math.isfinite(screen_factor)
+        expect("screen_factor", screen_factor, math.isfinite(screen_factor)
                and (screen_factor == 0 or screen_factor >= 1), "0 (off) or a number >= 1")
-        _check("curvature_screen_factor", curvature_screen_factor,
+        expect("curvature_screen_factor", curvature_screen_factor,
                math.isfinite(curvature_screen_factor)
                and (curvature_screen_factor == 0 or curvature_screen_factor >= 1),
                "0 (off) or a number >= 1")
-        _check("val_screen", val_screen, isinstance(val_screen, bool), "True or False")
+        expect("val_screen", val_screen, isinstance(val_screen, bool), "True or False")
         #: the curvature/Gram screen's factor (0 = off) and whether the validation screen runs
         self.curvature_screen_factor = float(curvature_screen_factor)
         self.val_screen = val_screen
-        _check("num_examples_cap", num_examples_cap, math.isfinite(num_examples_cap)
+        expect("num_examples_cap", num_examples_cap, math.isfinite(num_examples_cap)
                and (num_examples_cap == 0 or num_examples_cap >= 1), "0 (off) or a number >= 1")
         #: robust aggregation (:mod:`fedfusion.core.screening`): the norm-screen
         #: factor and the cap on claimed counts relative to the other clients (0 = off)
@@ -291,6 +303,12 @@ class Fusion(ABC):
         self.predictor: nn.Module | None = None
         #: called with the valid uploads before fusing, so they are kept even if fusion fails
         self.upload_sink = upload_sink
+        expect("upload_limits", upload_limits, isinstance(upload_limits, UploadLimits),
+               "a fedfusion.wire.UploadLimits")
+        #: the caps on one client's upload (decoding and validation)
+        self.upload_limits = upload_limits
+        #: the sections an upload may hold, with their validators and value caps
+        self.section_table = section_table
         self.fuse_seconds = 0.0
         #: BatchNorm layers whose statistics the last fusion re-estimated (``norm_stats``)
         self.recalibrated_layers = 0
@@ -299,7 +317,7 @@ class Fusion(ABC):
                                               distill_temperature, augment=distill_augment,
                                               seed=seed)
         self.distill_options.check()
-        _check("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
+        expect("distill", distill, distill != "val" or (val_data is not None and len(val_data)),
                "'none' or 'synthetic' without a validation set ('val' distils on its inputs: "
                "pass val=...)")
         #: what a model must satisfy for this strategy (:mod:`fedfusion.core.model_check`): the
@@ -337,7 +355,8 @@ class Fusion(ABC):
         for upload in uploads:
             try:
                 self._check_architecture(upload)
-                validate_upload(upload, self.context.param_shapes, self.required_sections)
+                validate_upload(upload, self.context.param_shapes, self.required_sections,
+                                limits=self.upload_limits, table=self.section_table)
             except UploadError as exc:
                 self.exclude(server_round, exc.client, exc.problem)
                 continue
@@ -350,7 +369,7 @@ class Fusion(ABC):
         received = sorted(uploads, key=lambda u: u.client_id)
         uploads, weighted = self._screen(received, server_round)
         if len(uploads) < self.min_valid_uploads:
-            reasons = "".join(f"\n  - client {e['client']}: {_summarise_reason(e['reason'])}"
+            reasons = "".join(f"\n  - client {e['client']}: {summarise_reason(e['reason'])}"
                               for e in self.exclusions if e["round"] == server_round)
             raise RuntimeError(
                 f"round {server_round}: {len(uploads)} valid upload(s), need at least "
@@ -500,7 +519,7 @@ class Fusion(ABC):
         if node is not None:
             client = f"node {node}" + (f" (client {known})" if known is not None else "")
         log.warning("[%s] round %d: excluding client %s: %s", self.name, server_round, client,
-                    _summarise_reason(reason))
+                    summarise_reason(reason))
         entry: dict[str, Any] = {"round": server_round, "client": str(client), "reason": reason}
         if node is not None:
             entry.update(node_id=node, client_id=known)
@@ -572,12 +591,14 @@ def _with_shared_report(report: Callable[[Fusion], dict[str, Any]]
     return wrapped
 
 
-def _check(name: str, value: object, ok: bool, expected: str) -> None:
+def expect(name: str, value: object, ok: bool, expected: str) -> None:
+    """Raise ValueError "``name`` must be ``expected``, got ``value``" unless ``ok``: the
+    constructors' argument checks, worded alike."""
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-def _summarise_reason(reason: str, limit: int = 400) -> str:
+def summarise_reason(reason: str, limit: int = 400) -> str:
     """A long reason (e.g. a Ray-wrapped client traceback) cut to its first line and its root
     cause, the last ``SomethingError: ...`` line, instead of its first ``limit`` characters."""
     if len(reason) <= limit:

@@ -21,7 +21,7 @@ weights. A fused network has new weights, so no client's statistics are its own.
   keep each client's own statistics, which belong to its own weights.
 
 ``"auto"`` (the default) is ``"client"`` for those predictors, else the strategy's measured
-default (``default_norm_stats``; see docs/library.md, "Which models work") when a validation
+default (``default_norm_stats``; see docs/library/models.md) when a validation
 set is given, else ``"average"``. Models without running statistics (LayerNorm, GroupNorm,
 ``track_running_stats=False``) are unaffected by the choice.
 """

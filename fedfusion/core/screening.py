@@ -109,7 +109,7 @@ NORM_FLOOR = 1e-6
 CHANCE_MARGIN_MIN = 0.02
 #: the validation screen's margin below a member's own chance, in standard errors
 VAL_SCREEN_SIGMAS = 3.0
-#: RegMean's upload section (:mod:`fedfusion.gram`), screened with the curvature
+#: RegMean's upload section (:mod:`fedfusion.sections.gram`), screened with the curvature
 GRAM = "gram"
 
 

@@ -20,46 +20,34 @@ Structures
     backends (what laplace-torch's last-layer ``"full"`` Laplace returns with an exact-GGN
     backend; tested against it and against a dense Jacobian GGN), the empirical Fisher for
     ``*_ef``. laplace-torch forms the same block from dense per-sample Jacobians
-    ``sum_n J_n^T H_n J_n``, ignoring ``J_n = I (x) psi_n^T``: 13.2 s against 3.4 s for the
-    whole diagonal under the load below; the closed form is two GEMMs. The diagonal of an
-    already fitted ``diag`` section of the same member is reused (``diagonal=``).
+    ``sum_n J_n^T H_n J_n``, ignoring ``J_n = I (x) psi_n^T``; the closed form is two GEMMs. The
+    diagonal of an already fitted ``diag`` section of the same member is reused
+    (``diagonal=``).
 
 Backends (``backend=``): ``"<library>_<type>"`` with library ``curvlinops``, ``asdl``,
 ``backpack`` and type ``ggn`` (exact GGN; for K-FAC the "type-2" K-FAC, one backward pass per
 class), ``mc`` (Monte-Carlo Fisher, one sampled label per input: an unbiased estimate of the
 GGN from a single backward pass) or ``ef`` (empirical Fisher, gradients at the true labels: a
 different, biased matrix). ``curvlinops_ggn`` is laplace-torch's default and the one the
-FedBEns reference code uses; ``asdl_ggn`` gives the same K-FAC (to 1e-6) and diagonal.
-Known limitations, measured by ``benchmarks/curvature_backends.py``:
+FedBEns reference code uses; ``asdl_ggn`` gives the same K-FAC and diagonal. Known
+limitations (measured in benchmarks/docs/curvature.md):
 
 * ``curvlinops_ggn`` / ``curvlinops_mc`` with ``diag`` / ``diag_full`` go through laplace-torch's
-  ``torch.func`` Jacobian of a whole batch (a vmap over batch x classes cotangents): more than
-  20 GB at batch 256 and minutes at batch 16-32 on LeNet. Do not use them for the diagonal.
+  ``torch.func`` Jacobian of a whole batch (a vmap over batch x classes cotangents), whose
+  memory grows with batch x classes: do not use them for the diagonal.
 * ``curvlinops_mc`` builds a fresh Curvlinops K-FAC operator per batch with Curvlinops' fixed
   default seed, so every batch reuses the same random draws (``seed`` has no effect) and its
-  error depends on the batch size (log det off by -4770 ... +106 on LeNet).
+  error depends on the batch size.
 * ``backpack_*`` K-FAC needs a plain ``nn.Sequential`` model and, through laplace-torch,
-  returns convolution factors on another scale (LeNet's conv layers off by factors of 10^2 -
-  10^3 relative to Curvlinops / ASDL); ``backpack_ef`` has no K-FAC. Its diagonals are fine.
-* The MC diagonal (``asdl_mc`` = ``backpack_mc`` with the same seed) came out ~1-3 % above the
-  exact diagonal on the larger entries of LeNet (log det +1270 of 233,000); the MC K-FAC did not
-  show this (log det -80 ... -530 of 171,000 over seeds).
+  returns convolution factors on another scale than Curvlinops / ASDL; ``backpack_ef`` has no
+  K-FAC. Its diagonals are fine.
 
-Default ``backend="asdl_mc"``: LeNet, 12,000 FMNIST samples, 20 training epochs, one thread
-(``benchmarks/results/curvature_backends.json``; the 2-core machine was shared, load average
-5.5-8, so every fit is the minimum of two runs and the training time is the fastest epoch x 20,
-45.7 s). The exact K-FAC GGN costs about 35 % of the training time (``asdl_ggn`` 15.8 s,
-``curvlinops_ggn`` 16.3 s at batch 256) because it back-propagates once per class (an earlier,
-less loaded run: 5-6 s against ~21 s, 25-30 %). The MC Fisher back-propagates once:
-``asdl_mc`` fits in 4.1 s, 9.0 % of training (1.5 s, ~7 %, in the less loaded run), about 4x
-faster than the exact GGN, and stays faithful: max-layer relative Frobenius error of
-``B (x) A`` 13 %, log det within 0.3 % (std 444 over MC seeds, bias -530, of 171,300, while two
-independently trained members differ by 1,725) and the quadratic form at another member's
-weights within 1.5 %. The empirical Fisher is as fast but systematically off (56 % factor
-error, log det -2,090, quadratic form +8.7 %). Batch 256 is the fastest fit batch (128 equal,
-512 / 1000 slower: larger im2col buffers). Use ``backend="asdl_ggn"`` for the reference code's
-exact K-FAC at about 4x the cost. The MC draws are seeded with ``seed`` inside a forked RNG
-state (ASDL / BackPack), so a fit is reproducible and the global RNG is left alone.
+Default ``backend="asdl_mc"``: the MC Fisher back-propagates once per batch instead of once
+per class, so it is several times cheaper than the exact GGN while its factors, log
+determinant and quadratic forms stay close to it; the empirical Fisher is as cheap but
+biased. Batch 256 is the default fit batch. Use ``backend="asdl_ggn"`` for the reference
+code's exact K-FAC. The MC draws are seeded with ``seed`` inside a forked RNG state (ASDL /
+BackPack), so a fit is reproducible and the global RNG is left alone.
 """
 
 from __future__ import annotations

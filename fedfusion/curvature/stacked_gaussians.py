@@ -39,13 +39,11 @@ from fedfusion.curvature.kron import KronCurvature, matrix_shape
 
 #: the chunk budget on a CUDA device
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-#: ... and on the CPU: intermediates of 256 MB chunks are fresh memory at every step (glibc
-#: maps allocations above 32 MB anew: 1.4 M page faults in 60 steps of C = 20, M = 5 against
-#: 0.08 M) and far beyond the cache; 16 MB chunks made the steps 10-25% faster (one thread)
+#: ... and on the CPU, small enough that glibc reuses the memory (it maps allocations above
+#: 32 MB anew at every step) and the intermediates stay near the cache
 CPU_CHUNK_BYTES = 16 * 2**20
-#: a layer's gathered pair factors are kept between steps up to this size: LeNet's fc1 at
-#: C = 100, M = 5 takes 222 MB with 5 runs and 445 MB with the 10 clustered ones, and
-#: gathering them anew costs about a third of a step
+#: a layer's gathered pair factors are kept between steps up to this size (gathering them
+#: anew at every step is a sizeable part of a step)
 MAX_PAIR_CACHE_BYTES = 512 * 2**20
 LOG_2PI = math.log(2 * math.pi)
 

@@ -204,8 +204,10 @@ def _download_with_torchvision(name: str, root: Path) -> dict[str, RawSplit]:
     }
 
 
-def _load_raw(name: str, data_dir: Path | None) -> dict[str, RawSplit]:
-    """Try every source in order; raise DatasetNotFoundError explaining all of them."""
+def load_raw(name: str, data_dir: Path | None) -> dict[str, RawSplit]:
+    """The raw uint8 images and labels of dataset ``name``'s splits (``"train"``,
+    ``"test"``), before any holdout or normalisation: every source is tried in order;
+    raises DatasetNotFoundError explaining all of them."""
     spec = _SPECS[name]
     if data_dir is None:
         dir_note = f"not set (neither the `data-dir` run-config key nor {DATA_DIR_ENV})"
@@ -262,7 +264,7 @@ def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, .
     return tuple(means), tuple(stds)
 
 
-def _normalise(
+def normalise(
     images: np.ndarray, labels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> ImageData:
     """``(pixels / 255 - mean_c) / std_c`` as contiguous float32, labels as int64."""
@@ -340,7 +342,7 @@ def load_dataset(
 def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int,
                   stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
                   ) -> DatasetBundle:
-    raw = _load_raw(name, folder)
+    raw = load_raw(name, folder)
     spec = _SPECS[name]
     train_images, train_labels = raw["train"]
     test_images, test_labels = raw["test"]
@@ -358,9 +360,9 @@ def _build_bundle(name: str, folder: Path | None, val_size: int, seed: int,
         input_shape=(train_images.shape[1], train_images.shape[2], train_images.shape[3]),
         mean=mean,
         std=std,
-        train=_normalise(train_images[train_indices], train_labels[train_indices], mean, std),
-        val=_normalise(train_images[val_indices], train_labels[val_indices], mean, std),
-        test=_normalise(test_images, test_labels, mean, std),
+        train=normalise(train_images[train_indices], train_labels[train_indices], mean, std),
+        val=normalise(train_images[val_indices], train_labels[val_indices], mean, std),
+        test=normalise(test_images, test_labels, mean, std),
         val_indices=val_indices,
         train_indices=train_indices,
     )
@@ -405,7 +407,7 @@ _CACHE_ARRAYS = ("train_x", "train_y", "val_x", "val_y", "test_x", "test_y", "va
 
 
 def _idx_sources(name: str, folder: Path | None) -> list[Path] | None:
-    """The IDX files :func:`_load_raw` reads for ``name`` (same order of sources), or None
+    """The IDX files :func:`load_raw` reads for ``name`` (same order of sources), or None
     when it would go to torchvision."""
     if not _SPECS[name].has_idx_files:
         return None

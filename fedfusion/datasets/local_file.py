@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedfusion.datasets.loading import ImageData, _normalise
+from fedfusion.datasets.loading import ImageData
+from fedfusion.datasets.loading import normalise as normalise_pixels
 from fedfusion.wire.npy import npy_layout, read_npy
 
 #: the arrays of a local data file may declare at most this many uncompressed bytes: the
@@ -161,7 +162,7 @@ def normalise(data: LocalData, mean: Sequence[float], std: Sequence[float]) -> I
     if len(mean) != channels or len(std) != channels:
         raise LocalDataError(f"{data.path}: the server's normalisation has {len(mean)} mean(s) "
                              f"and {len(std)} std(s) for {channels} channel(s)")
-    return _normalise(data.x, data.y, tuple(map(float, mean)), tuple(map(float, std)))
+    return normalise_pixels(data.x, data.y, tuple(map(float, mean)), tuple(map(float, std)))
 
 
 def write_demo_files(folder: str | Path, devices: int, samples: int, dataset: str = "fmnist",
@@ -175,13 +176,13 @@ def write_demo_files(folder: str | Path, devices: int, samples: int, dataset: st
     rows taken from each class's shuffled pool at the device's own offset; None: uniform
     draws (every device about the same mix). On real devices each device writes its own
     file instead."""
-    from fedfusion.datasets.loading import _load_raw
+    from fedfusion.datasets.loading import load_raw
 
     if devices < 1 or samples < 1:
         raise ValueError(f"need devices >= 1 and samples >= 1, got {devices} and {samples}")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
-    images, labels = _load_raw(dataset, Path(data_dir).expanduser() if data_dir else None)["train"]
+    images, labels = load_raw(dataset, Path(data_dir).expanduser() if data_dir else None)["train"]
     if devices * samples > len(labels):
         raise ValueError(f"{devices} devices x {samples} samples exceed the {len(labels)} "
                          f"training images of {dataset}")

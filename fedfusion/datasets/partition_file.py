@@ -38,7 +38,7 @@ import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
 from fedfusion.wire.npy import NpyLayout, npy_layout, read_npy
-from fedfusion.wire.validation import _json_depth
+from fedfusion.wire.validation import json_depth
 
 #: a partition file larger than this is refused unread (60,000 rows as JSON are ~0.4 MB)
 MAX_PARTITION_FILE_BYTES = 1 << 30
@@ -256,7 +256,7 @@ def _read_json(path: Path, key: str, where: str) -> tuple[list[object], object |
                              "byte limit of a .json partition (write larger ones as .npz)")
     raw = path.read_bytes()
     text = raw.decode(json.detect_encoding(raw))
-    depth = _json_depth(text)
+    depth = json_depth(text)
     if depth > MAX_PARTITION_JSON_DEPTH:
         raise PartitionError(f"{where} nests {depth} levels deep, the limit is "
                              f"{MAX_PARTITION_JSON_DEPTH} (a partition nests 3, 4 under a key)")

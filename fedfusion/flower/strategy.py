@@ -36,7 +36,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
 from fedfusion.core.architecture import ModelFn, ModelSpec
-from fedfusion.core.fusion import FUSION_PARAMETERS, Fusion, _check, _summarise_reason
+from fedfusion.core.fusion import FUSION_PARAMETERS, Fusion, expect, summarise_reason
 from fedfusion.core.predictors import Ensemble
 from fedfusion.core.state import state_arrays
 from fedfusion.flower.client_errors import infrastructure_error, parse_client_error
@@ -139,11 +139,11 @@ class FusionStrategy(Fusion, Strategy):
         super().__init__(model_fn, **kwargs)
         if num_clients is not None:
             min_train_nodes = min_available_nodes = num_clients
-        _check("fraction_train", fraction_train, 0.0 < fraction_train <= 1.0, "in (0, 1]")
-        _check("min_train_nodes", min_train_nodes, min_train_nodes >= 1, ">= 1")
-        _check("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
-        _check("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
-        _check("node_wait_timeout", node_wait_timeout, node_wait_timeout > 0, "> 0 seconds")
+        expect("fraction_train", fraction_train, 0.0 < fraction_train <= 1.0, "in (0, 1]")
+        expect("min_train_nodes", min_train_nodes, min_train_nodes >= 1, ">= 1")
+        expect("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
+        expect("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
+        expect("node_wait_timeout", node_wait_timeout, node_wait_timeout > 0, "> 0 seconds")
         self.fraction_train = fraction_train
         self.min_train_nodes, self.min_available_nodes = min_train_nodes, min_available_nodes
         self.round_timeout, self.node_wait_timeout = float(round_timeout), float(node_wait_timeout)
@@ -284,7 +284,7 @@ class FusionStrategy(Fusion, Strategy):
                 self.exclude(server_round, f"unknown node (reply from node "
                              f"{reply.metadata.src_node_id})", f"answers message "
                              f"{reply.metadata.reply_to_message_id!r}, which this round did "
-                             f"not send; ignored ({_summarise_reason(reason, 200)})")
+                             f"not send; ignored ({summarise_reason(reason, 200)})")
                 continue
             if node in replied:
                 self.exclude(server_round, node, "a second reply to one message; "
@@ -297,7 +297,8 @@ class FusionStrategy(Fusion, Strategy):
                 continue
             try:
                 upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
-                                       self.required_sections)
+                                       self.required_sections, limits=self.upload_limits,
+                                       table=self.section_table)
                 self._check_architecture(upload)
             except UploadError as exc:
                 self.exclude(server_round, exc.client, exc.problem, node=node)

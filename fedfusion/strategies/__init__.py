@@ -27,7 +27,7 @@ STRATEGIES: dict[str, type[FusionStrategy]] = {
                              FisherMerge, Dense)
 }
 STRATEGIES.update({cls.name: cls for cls in (FedProx, StatisticalWeightAggregation)})
-STRATEGIES.update({cls.name: cls for cls in (AdaptiveModelSelection, PFNM)})  # issue 6
+STRATEGIES.update({cls.name: cls for cls in (AdaptiveModelSelection, PFNM)})
 STRATEGIES[FENS.name] = FENS
 STRATEGIES.update({CoBoosting.name: CoBoosting})
 

@@ -34,10 +34,8 @@ Departures from the reference code (github.com/Divyansh03/FedFisher, ``algs/fish
   ``m <- g + 0.9 m``, ``v <- g^2 + 0.99 v``, ``w <- w - eta m / (sqrt(v) + 0.01)``, which is
   Adam with betas (0.9, 0.99) and an effective eps of 1e-3 up to bias correction. We use
   ``torch.optim.Adam`` with betas (0.9, 0.99), eps 1e-3 (bias-corrected) at the same lr.
-  This matters for K-FAC: on
-  3-client FMNIST LeNet replays (seeds 0, 1) the reference rule reached 65.3% / 59.6% test
-  accuracy, Adam(betas (0.9, 0.99), eps 1e-3) 65.2% / 59.8%, torch's default Adam 62.1% / 54.9%
-  (Diag: all three within 0.3 points). ``optimizer="sgd"`` is available, for which the scale of
+  This matters for K-FAC, where torch's default Adam lands several points below both
+  (benchmarks/docs/fedbens.md). ``optimizer="sgd"`` is available, for which the scale of
   f matters: f is on the mean-Fisher scale (H / n), so SGD needs
   ``lr < 2 / lambda_max(sum_i p_i F_i)``;
 - no gradient clipping by default (``clip=None``), as the reference;
@@ -150,7 +148,7 @@ class FedFisher(FusionStrategy):
         self.damping = damping
         self.dtype = dtype
         # The official FedFisher update is Adam with betas (0.9, 0.99) and eps ~1e-3 (no bias
-        # correction); PyTorch's defaults cost K-FAC 3-5 points (measured, see docstring).
+        # correction); PyTorch's defaults cost K-FAC accuracy (see the module docstring).
         self.optimiser = ServerOptimiser(steps=steps, lr=lr, clip=clip, eval_every=eval_every,
                                          optimizer=optimizer, adam_betas=(0.9, 0.99),
                                          adam_eps=1e-3, dtype=dtype, label="fedfisher")

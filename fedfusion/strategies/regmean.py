@@ -6,7 +6,7 @@ own layer inputs X_i (all samples, all spatial positions for a conv layer):
 
     min_W sum_i ||X_i W^T - X_i W_i^T||^2   =>   W*^T = (sum_i G_i)^-1 sum_i G_i W_i^T,
 
-G_i = X_i^T X_i the client's Gram (upload section ``gram``, :mod:`fedfusion.gram`). RegMean
+G_i = X_i^T X_i the client's Gram (upload section ``gram``, :mod:`fedfusion.sections.gram`). RegMean
 regularises by shrinking the off-diagonal of every Gram, G~_i = alpha G_i + (1-alpha)
 diag(G_i), and solves with the G~_i (alpha = 1: the exact least-squares merge; alpha -> 0:
 a per-input-feature weighted average).
@@ -20,11 +20,11 @@ Details and departures from the reference code (Jin et al.'s and the FedFisher/F
 * A layer with a bias merges ``[W | b]`` with the Gram of the inputs augmented by a constant 1
   (our bias-free LeNet/CNN have none).
 * Which entries are Linear/Conv2d layers is read from the MODULE TYPES of the server's model
-  (built once on the meta device: :func:`fedfusion.gram.model_gram_sizes`), not guessed from
-  shapes; every upload's ``gram`` section must hold exactly one Gram per such layer, of the
-  module's size (:meth:`RegMean.check_grams`, on top of the ``gram`` section's validator,
-  which is as exact when the server's shapes know the module types and otherwise only bounds
-  the names by the shape rule: see :mod:`fedfusion.gram`).
+  (built once on the meta device: :func:`fedfusion.sections.gram.model_gram_sizes`), not
+  guessed from shapes; every upload's ``gram`` section must hold exactly one Gram per such
+  layer, of the module's size (:meth:`RegMean.check_grams`, on top of the ``gram``
+  section's validator, which is as exact when the server's shapes know the module types and
+  otherwise only bounds the names by the shape rule: see :mod:`fedfusion.sections.gram`).
 * Everything else in the state dict is merged by the sample-weighted average
   ``sum_i n_i v_i / sum_i n_i`` (n_i = the client's examples;
   :func:`~fedfusion.strategies.fedavg.weighted_average`, which takes integer entries such as
@@ -62,13 +62,12 @@ import numpy as np
 import torch
 from torch import nn
 
-import fedfusion.sections  # noqa: F401  (registers the "gram" upload section's validator)
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.evaluation import evaluate
 from fedfusion.core.predictors import Ensemble
 from fedfusion.core.state import weighted_average
 from fedfusion.flower.strategy import FusionStrategy
-from fedfusion.gram import check_gram_names, gram_layers, model_gram_sizes
+from fedfusion.sections.gram import check_gram_names, gram_layers, model_gram_sizes
 from fedfusion.wire import WEIGHTS, ClientUpload, UploadError
 
 log = logging.getLogger("fedfusion")

@@ -16,9 +16,10 @@ key                        record          holds
 =========================  ==============  ============================================
 
 Section ``weights`` (the member's ``state_dict``) is always present; strategies that need
-more (curvature, Gram matrices, statistics) ask the clients for further sections and
-register a validator for each with :func:`register_section`. Arrays travel as ``.npy``
-bytes (Flower's ``Array``), never pickled.
+more (curvature, Gram matrices, statistics) ask the clients for further sections, each an
+entry of the section table (:data:`fedfusion.sections.SECTIONS`: builder, validator, value
+cap) that decoding and validation are given. Arrays travel as ``.npy`` bytes (Flower's
+``Array``), never pickled.
 
 Decoding (:func:`decode_upload`) and loading from disk (:mod:`fedfusion.upload_store`) both
 end in :func:`validate_upload`: schema version, model, array names, dtypes, shapes,
@@ -32,27 +33,29 @@ Every input is untrusted, and checking it must not cost more than the honest upl
 * cost before validation: :func:`decode_upload` checks the metadata, the declared model
   (``model-kwargs`` is capped in length and nesting depth before it is parsed), then every
   array's name, dtype, shape and byte size from the flwr ``Array``'s own fields, the total
-  against ``max_upload_bytes`` (:data:`MAX_UPLOAD_BYTES`), and only then decodes the bytes,
+  against :attr:`UploadLimits.upload_bytes`, and only then decodes the bytes,
   after checking that each ``.npy`` header agrees with the declared fields. An upload that
   declares 10**12 elements is refused without allocating them.
-* numbers: ``num-examples`` is capped (:data:`MAX_NUM_EXAMPLES`) and must equal the sum of
-  ``class-histogram`` when the client sends one; every array value is finite and within the
-  magnitude cap of its section (:data:`MAX_ABS_VALUES`), so finite but absurd values (weights
-  or curvature of 1e20) cannot drive a strategy's objective to inf or NaN.
+* numbers: ``num-examples`` is capped (:attr:`UploadLimits.num_examples`) and must equal the
+  sum of ``class-histogram`` when the client sends one; every array value is finite and
+  within the magnitude cap of its section (``Section.value_cap``), so finite but absurd values
+  (weights or curvature of 1e20) cannot drive a strategy's objective to inf or NaN.
 * arrays in a non-native byte order (``'>f4'``) are converted to native when decoded;
   :func:`validate_upload` refuses them in a :class:`ClientUpload` built in memory.
+
+The caps on one client's upload are one frozen value, :class:`UploadLimits` (the documented
+defaults unless given another), passed to :func:`decode_upload` and :func:`validate_upload`
+by the strategy that holds it (``upload_limits=`` of every strategy).
 
 The modules, each importing only those listed before it:
 
 * :mod:`fedfusion.wire.format`: :class:`ClientUpload`, the schema and record keys,
   :func:`encode_upload`, :func:`encode_models` / :func:`decode_models`;
-* :mod:`fedfusion.wire.validation`: :class:`UploadError`, the caps (``MAX_*``),
-  :func:`validate_upload`, the section registry (:func:`register_section`);
+* :mod:`fedfusion.wire.limits`: :class:`UploadLimits`;
 * :mod:`fedfusion.wire.npy`: ``.npy`` headers checked before any data is read;
+* :mod:`fedfusion.wire.validation`: :class:`UploadError`, :func:`validate_upload` and the
+  checks it shares with decoding;
 * :mod:`fedfusion.wire.decode`: :func:`decode_upload`.
-
-The caps are re-exported here for reading; a deployment that changes one sets it on the module
-that defines it (``fedfusion.wire.validation.MAX_NUM_EXAMPLES = ...``).
 """
 
 from fedfusion.wire.decode import decode_upload
@@ -71,50 +74,16 @@ from fedfusion.wire.format import (
     encode_upload,
     member_key,
 )
-from fedfusion.wire.npy import MAX_NPY_HEADER_CHARS, read_npy
-from fedfusion.wire.validation import (
-    MAX_ABS_CURVATURE,
-    MAX_ABS_DEFAULT,
-    MAX_ABS_GRAM,
-    MAX_ABS_VALUES,
-    MAX_ABS_WEIGHT,
-    MAX_ARRAYS_PER_SECTION,
-    MAX_KWARGS_CHARS,
-    MAX_KWARGS_DEPTH,
-    MAX_METRIC_LENGTH,
-    MAX_METRICS,
-    MAX_NAME_CHARS,
-    MAX_NDIM,
-    MAX_NUM_EXAMPLES,
-    MAX_REASON_CHARS,
-    MAX_UPLOAD_BYTES,
-    SectionValidator,
-    UploadError,
-    check_array_names,
-    known_sections,
-    register_section,
-    validate_upload,
-    value_cap,
-)
+from fedfusion.wire.limits import DEFAULT_LIMITS, UploadLimits
+from fedfusion.wire.npy import MAX_NDIM, MAX_NPY_HEADER_CHARS, read_npy
+from fedfusion.wire.validation import MAX_REASON_CHARS, UploadError, validate_upload
 
 __all__ = [
-    "MAX_ABS_CURVATURE",
-    "MAX_ABS_DEFAULT",
-    "MAX_ABS_GRAM",
-    "MAX_ABS_VALUES",
-    "MAX_ABS_WEIGHT",
-    "MAX_ARRAYS_PER_SECTION",
-    "MAX_KWARGS_CHARS",
-    "MAX_KWARGS_DEPTH",
+    "DEFAULT_LIMITS",
     "MAX_MEMBERS",
-    "MAX_METRICS",
-    "MAX_METRIC_LENGTH",
-    "MAX_NAME_CHARS",
     "MAX_NDIM",
     "MAX_NPY_HEADER_CHARS",
-    "MAX_NUM_EXAMPLES",
     "MAX_REASON_CHARS",
-    "MAX_UPLOAD_BYTES",
     "META_KEY",
     "METRICS_KEY",
     "SCHEMA",
@@ -123,17 +92,13 @@ __all__ = [
     "ClientUpload",
     "NumpyDict",
     "ParamShapes",
-    "SectionValidator",
     "UploadError",
-    "check_array_names",
+    "UploadLimits",
     "decode_models",
     "decode_upload",
     "encode_models",
     "encode_upload",
-    "known_sections",
     "member_key",
     "read_npy",
-    "register_section",
     "validate_upload",
-    "value_cap",
 ]

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedfusion.sections.base import WEIGHTS
+
 SCHEMA = "fedfusion.upload"
 SCHEMA_VERSION = 1
 META_KEY = "fedfusion.meta"
 METRICS_KEY = "fedfusion.metrics"
-WEIGHTS = "weights"
 MAX_MEMBERS = 64
 
 NumpyDict = dict[str, np.ndarray]

@@ -17,10 +17,26 @@ from typing import IO
 import numpy as np
 from flwr.app import Array
 
-from fedfusion.wire.validation import _STATE_DTYPES, _brief, _checked_shape, _clip
+from fedfusion.core.state import WIRE_DTYPES
+from fedfusion.reasons import brief, clip
 
 #: length of an ``.npy`` header (numpy's own default limit for untrusted files)
 MAX_NPY_HEADER_CHARS = 10_000
+#: dimensions of one array
+MAX_NDIM = 32
+#: the scalar types an uploaded array may hold: floats, and the integer counters and bool /
+#: uint8 buffers of a ``state_dict`` (:data:`fedfusion.core.state.WIRE_DTYPES`)
+UPLOAD_DTYPES: tuple[type, ...] = tuple(dict.fromkeys(d.type for d in WIRE_DTYPES.values()))
+
+
+def checked_shape(name: str, shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of at most :data:`MAX_NDIM` sizes in ``0..2**62``; raises
+    ValueError naming the array otherwise (a declared shape is untrusted)."""
+    if not isinstance(shape, tuple | list) or len(shape) > MAX_NDIM or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**62 for s in shape):
+        raise ValueError(f"array {name!r} has shape {brief(shape)}, not a tuple of at most "
+                         f"{MAX_NDIM} sizes >= 0")
+    return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -51,15 +67,15 @@ def npy_layout(stream: IO[bytes], size: int, name: str,
                    else np.lib.format.read_array_header_2_0)
     shape, fortran, dtype = read_header(stream, max_header_size=MAX_NPY_HEADER_CHARS)
     if declared is not None and (dtype != declared[0] or tuple(shape) != declared[1]):
-        raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {_brief(shape)}, "
+        raise ValueError(f"array {name!r}: its .npy header says {dtype.str} {brief(shape)}, "
                          f"its declared fields {declared[0].str} {declared[1]}")
     if dtypes is not None and dtype.type not in dtypes:
-        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; expected one of "
+        raise ValueError(f"array {name!r} has dtype {clip(str(dtype), 40)}; expected one of "
                          f"{', '.join(sorted(np.dtype(t).name for t in dtypes))}")
-    if dtypes is None and dtype.type not in _STATE_DTYPES:
-        raise ValueError(f"array {name!r} has dtype {_clip(str(dtype), 40)}; uploads hold "
+    if dtypes is None and dtype.type not in UPLOAD_DTYPES:
+        raise ValueError(f"array {name!r} has dtype {clip(str(dtype), 40)}; uploads hold "
                          "float16/32/64 arrays (and integer or bool state entries)")
-    layout = NpyLayout(dtype, _checked_shape(name, shape), fortran, stream.tell())
+    layout = NpyLayout(dtype, checked_shape(name, shape), fortran, stream.tell())
     if size - layout.offset != layout.nbytes:
         raise ValueError(f"array {name!r} holds {size - layout.offset} data bytes; its shape "
                          f"{layout.shape} and dtype {dtype.str} need {layout.nbytes}")

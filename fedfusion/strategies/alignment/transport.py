@@ -19,7 +19,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from fedfusion.gram import forward_with_hooks
+from fedfusion.sections.gram import forward_with_hooks
 from fedfusion.strategies.alignment.graph import Structure
 
 StateDict = dict[str, np.ndarray]

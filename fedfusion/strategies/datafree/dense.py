@@ -41,7 +41,8 @@ its client trained (DeepInversion, Yin et al. 2020):
   in eval mode (each layer normalises with its running statistics, as at inference), the
   running statistics are constants, and the gradient reaches G through h_{k,l}(x).
 
-Models without BatchNorm (the zoo's) have no stored statistics; for them:
+Models without BatchNorm (of the zoo: every model but ``bn_cnn`` and ``resnet20``) have no
+stored statistics; for them:
 
 * ``"input"``: the DeepInversion norm at the one layer whose statistics we do know,
   the input: the data are normalised per channel with the training set's statistics, so
@@ -54,40 +55,19 @@ Models without BatchNorm (the zoo's) have no stored statistics; for them:
 
 ``"auto"`` (the default) resolves, when the teachers are built, to ``"bn"`` when every
 teacher has at least one BatchNorm layer with running statistics, else to ``"input"``
-(:data:`FALLBACK_STATS_TERM`); :meth:`Dense.report` records the term used, the one asked
+(:data:`FALLBACK_STATS_TERM`: the three terms without BatchNorm measure alike, and ``input``
+is the cheapest meaningful one); :meth:`Dense.report` records the term used, the one asked
 for and the number of BatchNorm layers per teacher. ``"bn"`` asked for on teachers without
 BatchNorm statistics is an error. R enters L_G with the weight ``act_weight`` whatever the
-term; the BatchNorm term has not been measured here (no model of the zoo has BatchNorm).
-
-Measured (one thread; 5 bias-free LeNet clients on Fashion-MNIST, 10k training images,
-5 local epochs (Dir(0.5)) or 10 (Dir(0.1)), 500 validation images; test accuracy (%) of the
-returned student after the default 200 iterations; ``g_lr`` 1e-3 unless said otherwise):
-
-============  =====================  ===================  ==================
-stats term    Dir(0.5), seeds 0 / 1  Dir(0.5), g_lr 5e-3  Dir(0.1), seed 0
-============  =====================  ===================  ==================
-``input``     68.86 / 68.53          68.47                55.52
-``none``      68.49 / 68.49          68.21                55.69
-``act``       68.57 / 68.24          68.56                55.39
-============  =====================  ===================  ==================
-
-FedAvg (the student's start) 59.58 / 44.24, the clients' softmax ensemble 69.39 / 58.26;
-a random start (``input``) 67.35 on Dir(0.5). The three terms are within 0.4 points of each
-other, i.e. no measurable effect; ``input`` is the fallback of ``auto`` as the best on
-Dir(0.5) and the cheapest meaningful one. A run costs 0.35-0.45 s of CPU per iteration
-(1 G step + 5 student steps, batch 256), so 70-90 s on one core. ``g_lr`` 5e-3 reaches the
-plateau in ~40 iterations instead of ~100 (useful for short runs), with the same final
-accuracy.
+term.
 
 The student starts from the sample-weighted FedAvg of the clients' first members
-(``student_init="fedavg"``; the reference starts from a random network, ``"random"``: 1.5
-points worse above, and slower to reach the plateau). Every ~10% of the iterations (and at
-the start and the end) it is scored on the server validation set (accuracy, then -NLL) and
-the best iterate is kept, the start included; without a validation set the last iterate is
-returned. Other knobs measured on Dir(0.5), seed 0: ``adv_mask=False`` (KL on every sample)
-68.99, ``pool_batches=50`` 68.68 (defaults: masked as the reference, 10 batches); distilling
-one FMNIST MLP into a random student, ``adv_mask=False`` was the more robust (agreement on
-real images 83-87% over 3 seeds against 77-90%).
+(``student_init="fedavg"``; the reference starts from a random network, ``"random"``, which
+ends lower and reaches the plateau later). Every ~10% of the iterations (and at the start
+and the end) it is scored on the server validation set (accuracy, then -NLL) and the best
+iterate is kept, the start included; without a validation set the last iterate is returned.
+``adv_mask`` and ``pool_batches`` default to the reference's masked KL and 10 batches. The
+measurements behind these defaults: benchmarks/docs/dense.md.
 
 Integer inputs (token ids into an ``nn.Embedding``, bool masks): the generator makes float
 images and cannot make them, so such a model is refused before anything trains (the

@@ -127,12 +127,9 @@ class MixtureObjective:
     schedule: while a refresh finds run r's pairs unchanged and every component it excludes
     at least ``FAR_GAP_MARGINS`` margins away, the interval to run r's next refresh doubles,
     up to ``MAX_REFRESH_GROWTH x refresh_every``; a change, or a component nearer than that,
-    resets it (at C = 100 the set never changed in 31 refreshes and the nearest excluded
-    member stayed 916 nats away), and a refresh evaluates the ``K`` components of the runs
-    that are due only. (One schedule for all runs made every run re-evaluate all ``K``
-    components whenever any run was near a switch: with the member starts of
-    ``starts="clustered"``, one run of ten near a switch, 10-11 full refreshes instead of
-    the median starts' 6, 55 s of a 375 s server at C = 100.)
+    resets it, and a refresh evaluates the ``K`` components of the runs that are due only.
+    The schedule is per run so that one run near a switch does not make every run
+    re-evaluate all ``K`` components.
 
     The smallest gap of an excluded component seen at a refresh and the number of refreshes
     that changed the active set are kept in :meth:`report`, so a run whose components move

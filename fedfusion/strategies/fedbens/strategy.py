@@ -91,34 +91,27 @@ class FedBEns(FusionStrategy):
         not improved in ``patience`` evaluations: it keeps its best iterate and leaves the
         batch, so the runs still going cost what they would alone. This changes a result
         only where a run would have improved later: with validation the runs' scores peak
-        and then fall while the objective still rises. On FMNIST with 10 to 100 clients no
-        run's best iterate moved even with 2; with 5 clients, whose validation curves can
-        dip and climb again, 4 moved 13 of the 380 runs traced and 2 moved 64
-        (benchmarks/README.md, "FedBEns' starts"). 0 = every run takes all ``steps`` (the
-        paper's schedule).
+        and then fall while the objective still rises (how often a run's best iterate moves:
+        benchmarks/docs/starts.md). 0 = every run takes all ``steps`` (the paper's
+        schedule).
     prune_margin : float, default 50.0
         Members more than this many nats below their client's best are skipped between
         refreshes (0 = evaluate every member at every step).
     refresh_every : int, default 10
         Steps between full re-evaluations of all members.
     starts : {"auto", "median", "mean", "members", "clustered"}, default "auto"
-        Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run
-        r at the per-parameter median over clients of member r. ``"mean"``: run r at the
-        sample-weighted average of member r (FedAvg of member r); for BatchNorm networks,
-        whose per-channel weight scales differ between clients, the median mixes scales
-        (digits, BN CNN, alpha 0.1: median starts score 0.31-0.44 on val, mean starts
-        0.67-0.73). ``"members"``: one run from every uploaded member (sum_c M_c runs, C
-        times the server work), so the ensemble holds the modes nearest each client's own
-        solutions. ``"clustered"``: ``num_starts`` runs from the weighted K-medoids of the
-        members in parameter space
-        (:func:`~fedfusion.strategies.fedbens.starts.clustered_starts`),
-        the member starts at a bounded cost. ``"auto"``: ``"mean"`` for a model with
-        BatchNorm running statistics (measured on the real-models benchmark,
-        docs/strategies.md), ``"clustered"`` otherwise (with ``patience=4``: on the paper's
-        FMNIST splits within 0.2 points of the member starts and 2.1 above the medians, at
-        1.3-1.6x the paper's server cost from C = 5 to 100; its ensemble holds
-        2 max_c M_c modes, twice the paper's prediction cost: benchmarks/README.md,
-        "FedBEns' starts").
+        Where the runs start. ``"median"`` (the paper's Algorithm 1): R = max_c M_c runs, run r at
+        the per-parameter median over clients of member r. ``"mean"``: run r at the sample-weighted
+        average of member r (FedAvg of member r); for BatchNorm networks, whose per-channel weight
+        scales differ between clients, the median mixes scales and its runs start far below the
+        mean's. ``"members"``: one run from every uploaded member (sum_c M_c runs, C times the
+        server work), so the ensemble holds the modes nearest each client's own solutions.
+        ``"clustered"``: ``num_starts`` runs from the weighted K-medoids of the members in parameter
+        space (:func:`~fedfusion.strategies.fedbens.starts.clustered_starts`), the member starts
+        at a bounded cost. ``"auto"``: ``"mean"`` for a model with BatchNorm running statistics
+        (benchmarks/docs/real-models.md), ``"clustered"`` otherwise (with ``patience=4``: about the
+        member starts' accuracy at well under twice the paper's server cost; its ensemble holds 2
+        max_c M_c modes, twice the paper's prediction cost: benchmarks/docs/starts.md).
     num_starts : int, default 0
         K, the runs of ``starts="clustered"``; 0 = 2 max_c M_c (twice the paper's runs).
     modes : int, default 0
@@ -129,7 +122,7 @@ class FedBEns(FusionStrategy):
         Precision of the server optimisation.
     cuda_graphs : bool, default True
         On a CUDA device, replay each optimiser step as one captured CUDA graph (the same
-        kernels without their launch cost; benchmarks/README.md, "The server on a GPU").
+        kernels without their launch cost; benchmarks/docs/server-device.md).
     """
 
     name = "fedbens"

@@ -57,7 +57,7 @@ from fedfusion.strategies.fens.training import (
     ServerOptimizer,
     features,
 )
-from fedfusion.wire import ClientUpload, encode_models, validation
+from fedfusion.wire import ClientUpload, encode_models
 
 log = logging.getLogger("fedfusion")
 
@@ -306,7 +306,7 @@ class FENS(FusionStrategy):
             except (KeyError, TypeError, ValueError) as exc:
                 self.exclude(server_round, node, f"malformed aggregator reply: {exc}", node=node)
                 continue
-            problem = _check_state(client_state, state, rows)
+            problem = _check_state(client_state, state, rows, self.upload_limits.num_examples)
             if problem:
                 self.exclude(server_round, node, problem, node=node)
                 continue
@@ -368,9 +368,9 @@ def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _check_state(client: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                 rows: object) -> str:
-    """Why a client's aggregator reply cannot be averaged ('' when it can)."""
-    cap = validation.MAX_NUM_EXAMPLES  # the uploads' cap, read now (a deployment may set it)
+                 rows: object, cap: int) -> str:
+    """Why a client's aggregator reply cannot be averaged ('' when it can); ``cap``: the
+    strategy's cap on ``num-examples`` (its upload limits)."""
     if isinstance(rows, bool) or not isinstance(rows, int | float) or not (
             0 <= rows <= cap) or int(rows) != rows:
         return f"num-examples must be a whole number in 0..{cap}, got {rows!r}"

@@ -62,7 +62,9 @@ from torch import nn
 
 from fedfusion.capture import LinearInputs, LinearMap, linear_maps
 from fedfusion.im2col import patch_rows, unsupported_conv
-from fedfusion.wire import check_array_names
+from fedfusion.sections.base import MAX_ABS_GRAM, Section
+from fedfusion.sections.options import SectionOptions
+from fedfusion.sections.weights import check_array_names
 
 log = logging.getLogger("fedfusion")
 
@@ -251,3 +253,12 @@ def validate_grams(arrays: Mapping[str, np.ndarray],
         if int(torch.linalg.cholesky_ex(shifted).info) != 0:
             raise ValueError(f"array {name!r} is not positive semi-definite (an eigenvalue "
                              f"below -{PSD_TOL:g} * max diag)")
+
+
+def build_grams(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: SectionOptions,
+                built: Mapping[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The section's builder: :func:`layer_grams` of the member on the client's inputs."""
+    return layer_grams(model, x)
+
+
+GRAM_SECTION = Section(build_grams, validate_grams, MAX_ABS_GRAM)
