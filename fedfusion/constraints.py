@@ -60,6 +60,7 @@ FINITE_NON_NEGATIVE = Constraint("a finite number >= 0",
                                  lambda v: _number(v) and math.isfinite(v) and v >= 0)
 FINITE_POSITIVE = Constraint("a finite number > 0",
                              lambda v: _number(v) and math.isfinite(v) and v > 0)
+SECONDS = Constraint("> 0 seconds", lambda v: v > 0)
 #: a screening factor or count cap (:mod:`fedfusion.strategies.screening`): 0 turns it off;
 #: below 1 it would reject the median client itself
 OFF_OR_AT_LEAST_ONE = Constraint("0 (off) or a number >= 1",

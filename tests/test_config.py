@@ -22,6 +22,7 @@ from fedfusion.app.federation import federated_split
 from fedfusion.app.knobs import GROUPS
 from fedfusion.app.reference import BEGIN, END, key_table, pyproject_mismatches, with_key_table
 from fedfusion.client_app import LocalObjective, member_seed
+from fedfusion.distillation import DistillOptions
 from fedfusion.predictors import ModelSpec
 from fedfusion.strategies import STRATEGIES, FedAvg, FedProx
 
@@ -144,27 +145,47 @@ LIBRARY_RULES = {
     "curvature-screen-factor": lambda v: FedAvg(SmallCNN, curvature_screen_factor=v),
     "num-examples-cap": lambda v: FedAvg(SmallCNN, num_examples_cap=v),
     "init-perturbation": lambda v: FedAvg(SmallCNN, init_perturbation=v),
+    "round-timeout": lambda v: FedAvg(SmallCNN, round_timeout=v),
+    "node-wait-timeout": lambda v: FedAvg(SmallCNN, node_wait_timeout=v),
     "prox-mu": lambda v: FedProx(SmallCNN, prox_mu=v),
     "contrastive-weight": lambda v: LocalObjective(contrastive_weight=v),
     "contrastive-temperature": lambda v: LocalObjective(contrastive_temperature=v),
+    "distill-lr": lambda v: DistillOptions(lr=v).check(),
+    "distill-temperature": lambda v: DistillOptions(temperature=v).check(),
+    "pfnm-sigma": lambda v: STRATEGIES["pfnm"](MLP, sigma=v),
+    "pfnm-gamma": lambda v: STRATEGIES["pfnm"](MLP, gamma=v),
 }
+#: the same for the int keys
+LIBRARY_INT_RULES = {
+    "num-members": lambda v: FedAvg(SmallCNN, num_members=v),
+    "min-valid-uploads": lambda v: FedAvg(SmallCNN, min_valid_uploads=v),
+    "distill-epochs": lambda v: DistillOptions(epochs=v).check(),
+    "server-patience": lambda v: STRATEGIES["fedbens"](SmallCNN, patience=v),
+    "fedbens-num-starts": lambda v: STRATEGIES["fedbens"](SmallCNN, num_starts=v),
+    "fedbens-modes": lambda v: STRATEGIES["fedbens"](SmallCNN, modes=v),
+    "ams-top-k": lambda v: STRATEGIES["ams"](SmallCNN, top_k=v),
+    "pfnm-iters": lambda v: STRATEGIES["pfnm"](MLP, iters=v),
+}
+MLP = ModelSpec("mlp", (1, 28, 28), 10)
 
 
-@pytest.mark.parametrize("key", sorted(LIBRARY_RULES))
-@pytest.mark.parametrize("value", [-1.0, 0.0, 0.5, 1.0, 10.0, math.inf, math.nan])
+def outcome(call) -> str | None:
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    *((key, value) for key in sorted(LIBRARY_RULES)
+      for value in (-1.0, 0.0, 0.5, 1.0, 10.0, math.inf, math.nan)),
+    *((key, value) for key in sorted(LIBRARY_INT_RULES) for value in (-1, 0, 1, 3))])
 def test_the_run_config_refuses_what_the_library_refuses(key, value):
     """One rule per knob: the run config refuses a value of a key exactly where the library
     object the key feeds refuses it, and both messages state the same rule."""
-    try:
-        LIBRARY_RULES[key](value)
-        library_error = None
-    except ValueError as exc:
-        library_error = str(exc)
-    try:
-        Settings.from_mapping({key: value})
-        config_error = None
-    except ConfigError as exc:
-        config_error = str(exc)
+    library_error = outcome(lambda: {**LIBRARY_RULES, **LIBRARY_INT_RULES}[key](value))
+    config_error = outcome(lambda: Settings.from_mapping({key: value}))
     assert (library_error is None) == (config_error is None), (library_error, config_error)
     if config_error is not None:
         assert config_error.startswith(f"run-config {key!r} must be ")

@@ -23,7 +23,6 @@ import torch
 
 from fedfusion.app.knobs import (
     CLIENT_DEVICE,
-    HESSIAN_STRUCTURES,
     HOLDOUT_FRACTION,
     SERVER_DEVICE,
     SHA256,
@@ -40,12 +39,16 @@ from fedfusion.constraints import (
     NON_NEGATIVE,
     OFF_OR_AT_LEAST_ONE,
     POSITIVE,
+    SECONDS,
     one_of,
 )
+from fedfusion.curvature import STRUCTURES
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.distillation import DISTILL_EPOCHS
 from fedfusion.normalization import NORM_STATS
+from fedfusion.strategies.ams import TOP_K
 from fedfusion.strategies.base import FusionStrategy
+from fedfusion.strategies.fedbens import MODES, NUM_STARTS, PATIENCE
 from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
 
 
@@ -292,7 +295,7 @@ class Settings:
         doc=("curvature structure: K-FAC, diagonal, or diagonal + full last layer; also "
              "FedFisher's variant (`kron` or `diag`)"),
         valid="`kron` `diag` `diag_full` (`fedfisher` refuses `diag_full` **[start]**)",
-        check=one_of(HESSIAN_STRUCTURES),
+        check=one_of(STRUCTURES),
         strategy=(("fedbens", "hessian_structure"), ("fedfisher", "hessian_structure")))
     temperature: float = knob(
         0.1,
@@ -368,7 +371,7 @@ class Settings:
              "cores; the default job's round takes about 60 s): lower it to your clients' round "
              "time x 2 so a silent device costs less"),
         valid="> 0",
-        check=POSITIVE)
+        check=SECONDS)
     node_wait_timeout: float = knob(
         600.0,
         doc=("seconds a round waits, before sending anything, for `num-clients` SuperNodes to "
@@ -376,7 +379,7 @@ class Settings:
              '"N node(s) connected of the M required within T s" (constructor argument '
              "`node_wait_timeout`, raising `fedfusion.strategies.sampling.NodeWaitTimeout`)"),
         valid="> 0 (`inf` waits forever, as Flower's own strategies do)",
-        check=POSITIVE)
+        check=SECONDS)
     client_registry: str = knob(
         "",
         doc=('who is which client: `""` = the server keeps its own registry (a node\'s claimed '
@@ -517,7 +520,7 @@ class Settings:
              "paper's schedule); see "
              "[benchmarks](../benchmarks/README.md#fedbens-starts-and-the-ensemble-gap-benchmarksstartspy-issue-27)"),
         valid=">= 0",
-        check=NON_NEGATIVE, strategy=(("fedbens", "patience"),))
+        check=PATIENCE, strategy=(("fedbens", "patience"),))
     mixture_prune_margin: float = knob(
         50.0,
         doc=("skip members more than this many nats below their client's best (weight < e^-50) "
@@ -544,13 +547,13 @@ class Settings:
         doc=("FedBEns with `fedbens-starts=clustered`: the number of runs K (0 = 2 x the most "
              "members a client uploaded)"),
         valid=">= 0",
-        check=NON_NEGATIVE, strategy=(("fedbens", "num_starts"),))
+        check=NUM_STARTS, strategy=(("fedbens", "num_starts"),))
     fedbens_modes: int = knob(
         0,
         doc=("FedBEns: keep the first N runs (their modes form the ensemble); 0 = all; 1 = one "
              "model (paper Table 7)"),
         valid=">= 0",
-        check=NON_NEGATIVE, strategy=(("fedbens", "modes"),))
+        check=MODES, strategy=(("fedbens", "modes"),))
     fedfisher_steps: int = knob(
         2000,
         doc="FedFisher (kron or diag, from `hessian-structure`): optimisation steps",
@@ -747,7 +750,7 @@ class Settings:
         doc=("AMS: 1 = AMS-top1 (highest max-logit model), k = sum of the top-k models' logits, 0 "
              "= all (AMS-full)"),
         valid=">= 0 (k above the number of models = all)",
-        check=NON_NEGATIVE, strategy=(("ams", "top_k"),))
+        check=TOP_K, strategy=(("ams", "top_k"),))
     pfnm_sigma: float = knob(
         1.0,
         doc="PFNM: variance sigma^2 of local neurons around their global neuron",

@@ -63,7 +63,6 @@ CLIENT_DEVICE = Constraint("'auto', 'cpu', 'cuda' or 'cuda:<i>'",
 SHA256 = Constraint("'' or 64 lowercase hex digits",
                     lambda v: v == "" or (len(v) == 64 and all(c in "0123456789abcdef"
                                                                for c in v)))
-HESSIAN_STRUCTURES = ("kron", "diag", "diag_full")
 
 #: the docs' key table's group headings, each before the key that opens it
 GROUPS: dict[str, str] = {
