@@ -1,3 +1,4 @@
+import inspect
 import math
 import subprocess
 import sys
@@ -11,11 +12,13 @@ from conftest import SmallCNN, initial_models
 
 from fedfusion.app.config import (
     DATA_KEYS,
+    FUSION_KEYS,
     NODE_OVERRIDES,
     PATH_KEYS,
     STRATEGY_KEYS,
     ConfigError,
     Settings,
+    build_strategy,
     knob_of,
 )
 from fedfusion.app.federation import federated_split
@@ -124,8 +127,9 @@ def test_the_reference_script_checks_docs_and_pyproject():
 
 
 def test_the_role_tables_are_read_off_the_declarations():
-    """STRATEGY_KEYS, DATA_KEYS, NODE_OVERRIDES and PATH_KEYS hold exactly the keys whose
-    declarations say so, and every strategy argument named exists on that strategy."""
+    """STRATEGY_KEYS, FUSION_KEYS, DATA_KEYS, NODE_OVERRIDES and PATH_KEYS hold exactly the
+    keys whose declarations say so, and every strategy argument named exists on that
+    strategy (FUSION_KEYS' on every strategy)."""
     declared = {f.name.replace("_", "-"): knob_of(f) for f in fields(Settings)}
     assert set(DATA_KEYS) == {k for k, d in declared.items() if d.data}
     assert set(NODE_OVERRIDES) == {k for k, d in declared.items() if d.node}
@@ -137,6 +141,11 @@ def test_the_role_tables_are_read_off_the_declarations():
         assert name in STRATEGIES
         for argument, key in arguments.items():
             assert (name, argument) in declared[key].strategy
+    assert {"screen_factor", "round_timeout", "distill"} <= set(FUSION_KEYS)
+    for name, cls in STRATEGIES.items():
+        takes = {a for klass in cls.__mro__ if "__init__" in vars(klass)
+                 for a in inspect.signature(klass.__init__).parameters}
+        assert set(FUSION_KEYS) | set(STRATEGY_KEYS.get(name, {})) <= takes, name
 
 
 #: run-config key -> how to build the library object that checks the argument it feeds
@@ -190,3 +199,16 @@ def test_the_run_config_refuses_what_the_library_refuses(key, value):
     if config_error is not None:
         assert config_error.startswith(f"run-config {key!r} must be ")
         assert config_error.split(" must be ")[1] == library_error.split(" must be ")[1]
+
+
+def test_build_strategy_passes_the_declared_arguments():
+    """The keys declared as every strategy's arguments reach the constructor, by name."""
+    settings = Settings(strategy="fedprox", screen_factor=5.0, round_timeout=7.0, num_members=2,
+                        distill_epochs=3, prox_mu=0.25, norm_stats="average")
+    strategy = build_strategy(settings, ModelSpec("lenet", (1, 28, 28), 10))
+    assert (strategy.screen_factor, strategy.round_timeout, strategy.num_members) == (5.0, 7.0, 2)
+    assert strategy.distill_options.epochs == 3 and strategy.norm_stats == "average"
+    assert strategy.client_config["prox-mu"] == 0.25
+    with pytest.raises(ConfigError, match="strategy 'fedprox': num_examples_cap must be 0"):
+        build_strategy(replace(settings, num_examples_cap=0.5),
+                       ModelSpec("lenet", (1, 28, 28), 10))

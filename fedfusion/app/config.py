@@ -23,6 +23,7 @@ import torch
 
 from fedfusion.app.knobs import (
     CLIENT_DEVICE,
+    EVERY,
     HOLDOUT_FRACTION,
     SERVER_DEVICE,
     SHA256,
@@ -87,7 +88,9 @@ def _swa_distances() -> Iterable[str]:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every knob of a fedfusion run. Field ``foo_bar`` is run-config key ``foo-bar``."""
+    """Every knob of a fedfusion run. Field ``foo_bar`` is run-config key ``foo-bar``,
+    declared there once (:func:`~fedfusion.app.knobs.knob`); the declarations' order is the
+    docs' table's."""
 
     strategy: str = knob(
         "fedavg",
@@ -163,7 +166,7 @@ class Settings:
         doc="decides holdout, partition, inits and batch order",
         valid=(">= 0 **[not checked]** (with `split-seed=-1`, numpy refuses a negative seed when "
                "the data are split)"),
-        data=True)
+        data=True, strategy=((EVERY, "seed"),))
     split_seed: int = knob(
         -1,
         doc="-1 = `seed`; N pins holdout + partition while `seed` varies inits and batch order",
@@ -231,13 +234,13 @@ class Settings:
         1,
         doc="M models per client, each from its own broadcast init",
         valid=">= 1; the server decodes at most 64 per upload",
-        check=AT_LEAST_ONE, data=True, node=True)
+        check=AT_LEAST_ONE, data=True, node=True, strategy=((EVERY, "num_members"),))
     init_perturbation: float = knob(
         0.0,
         doc=("0 = each member from its own seeded init; s > 0 = member m > 0 from member 0's init "
              "+ N(0, s^2) (a local ensemble around one init, paper Table 7: 0.001)"),
         valid=">= 0",
-        check=FINITE_NON_NEGATIVE)
+        check=FINITE_NON_NEGATIVE, strategy=((EVERY, "init_perturbation"),))
     local_epochs: int = knob(
         20,
         doc="local epochs per round",
@@ -371,7 +374,7 @@ class Settings:
              "cores; the default job's round takes about 60 s): lower it to your clients' round "
              "time x 2 so a silent device costs less"),
         valid="> 0",
-        check=SECONDS)
+        check=SECONDS, strategy=((EVERY, "round_timeout"),))
     node_wait_timeout: float = knob(
         600.0,
         doc=("seconds a round waits, before sending anything, for `num-clients` SuperNodes to "
@@ -379,7 +382,7 @@ class Settings:
              '"N node(s) connected of the M required within T s" (constructor argument '
              "`node_wait_timeout`, raising `fedfusion.strategies.sampling.NodeWaitTimeout`)"),
         valid="> 0 (`inf` waits forever, as Flower's own strategies do)",
-        check=SECONDS)
+        check=SECONDS, strategy=((EVERY, "node_wait_timeout"),))
     client_registry: str = knob(
         "",
         doc=('who is which client: `""` = the server keeps its own registry (a node\'s claimed '
@@ -397,7 +400,7 @@ class Settings:
         doc=("fewer valid uploads than this fail the run with every exclusion listed; otherwise "
              "the server fuses what it has"),
         valid=">= 1",
-        check=AT_LEAST_ONE)
+        check=AT_LEAST_ONE, strategy=((EVERY, "min_valid_uploads"),))
     member_fusion: str = knob(
         "",
         doc=('which members a strategy fuses: `""` = the strategy\'s default; `first` = member 0 '
@@ -415,7 +418,7 @@ class Settings:
              "`auto` = `client` for those, else the strategy's measured default with validation "
              "rows, else `average` ([the rule per strategy](library.md#which-models-work))"),
         valid="`auto`, `average`, `recalibrate`, `client`",
-        check=one_of(NORM_STATS))
+        check=one_of(NORM_STATS), strategy=((EVERY, "norm_stats"),))
     screen_factor: float = knob(
         10.0,
         doc=("robust aggregation: a client whose `weights` hold a layer (any float entry) with an "
@@ -425,7 +428,7 @@ class Settings:
              "([library.md, Robust aggregation](library.md#robust-aggregation); constructor "
              "argument `screen_factor`)"),
         valid="`0` (off) or >= 1",
-        check=OFF_OR_AT_LEAST_ONE)
+        check=OFF_OR_AT_LEAST_ONE, strategy=((EVERY, "screen_factor"),))
     curvature_screen_factor: float = knob(
         1000.0,
         doc=("robust aggregation: a client whose curvature or Gram section (those the strategy "
@@ -435,7 +438,7 @@ class Settings:
              "([library.md, Robust aggregation](library.md#robust-aggregation); constructor "
              "argument `curvature_screen_factor`)"),
         valid="`0` (off) or >= 1",
-        check=OFF_OR_AT_LEAST_ONE)
+        check=OFF_OR_AT_LEAST_ONE, strategy=((EVERY, "curvature_screen_factor"),))
     val_screen: bool = knob(
         True,
         doc=("robust aggregation: every member of every upload predicts the server's validation "
@@ -444,7 +447,8 @@ class Settings:
              "fusion, the member and both accuracies in the reason (a negated or permuted last "
              "layer; [library.md, Robust aggregation](library.md#robust-aggregation); constructor "
              "argument `val_screen`)"),
-        valid="`true` / `false` (no effect without validation rows)")
+        valid="`true` / `false` (no effect without validation rows)",
+        strategy=((EVERY, "val_screen"),))
     num_examples_cap: float = knob(
         3.0,
         doc=("robust aggregation: every strategy weights a client by at most this x the median of "
@@ -453,7 +457,7 @@ class Settings:
              "`num_examples` stays the claim) and the summary (constructor argument "
              "`num_examples_cap`)"),
         valid="`0` (trust the claims) or >= 1",
-        check=OFF_OR_AT_LEAST_ONE)
+        check=OFF_OR_AT_LEAST_ONE, strategy=((EVERY, "num_examples_cap"),))
     distill: str = knob(
         "none",
         doc=("one network out of any fused predictor ([strategies.md, "
@@ -464,30 +468,31 @@ class Settings:
              "`synthetic` = on DENSE's generator's images, no data; the student starts from the "
              "FedAvg of the clients' first members"),
         valid="`none` `val` (needs `server-validation=true`, validation rows) `synthetic`",
-        check=one_of(_distill_modes))
+        check=one_of(_distill_modes), strategy=((EVERY, "distill"),))
     distill_epochs: int = knob(
         30,
         doc=("distill: passes over the validation inputs (`synthetic`: as many student steps); "
              "the best epoch on validation accuracy is kept, the start included (0 = the FedAvg "
              "start)"),
         valid=">= 0",
-        check=DISTILL_EPOCHS)
+        check=DISTILL_EPOCHS, strategy=((EVERY, "distill_epochs"),))
     distill_lr: float = knob(
         0.001,
         doc="distill: Adam learning rate of the student",
         valid="> 0",
-        check=FINITE_POSITIVE)
+        check=FINITE_POSITIVE, strategy=((EVERY, "distill_lr"),))
     distill_temperature: float = knob(
         1.0,
         doc=("distill: T of the loss T^2 KL(softmax(log p_teacher / T) \\|\\| softmax(student / "
              "T))"),
         valid="> 0",
-        check=FINITE_POSITIVE)
+        check=FINITE_POSITIVE, strategy=((EVERY, "distill_temperature"),))
     distill_augment: bool = knob(
         True,
         doc=("`distill=val`: random shifts of images by up to min(H, W) // 8 pixels and mixup of "
              "half of each batch, the teacher queried on the augmented inputs"),
-        valid="`true` / `false`")
+        valid="`true` / `false`",
+        strategy=((EVERY, "distill_augment"),))
     server_steps: int = knob(
         300,
         doc="Adam steps per mode, with a validation set",
@@ -1018,12 +1023,15 @@ NODE_OVERRIDES = _keys("node")
 #: run-config keys that name a file or folder: a NUL byte in one is refused (no path holds
 #: one; the OS call would raise ``ValueError: embedded null byte`` mid-run)
 PATH_KEYS = _keys("path")
-#: per strategy, constructor argument -> the run-config key that sets it (each key's default
-#: equals the constructor's; tests/test_library.py checks both)
+#: per strategy, its own constructor arguments -> the run-config keys that set them, and
+#: the arguments every strategy takes (:class:`~fedfusion.strategies.fusion.Fusion`'s) ->
+#: theirs; each key's default equals the constructor's (tests/test_library.py checks it)
 STRATEGY_KEYS: dict[str, dict[str, str]] = {}
+FUSION_KEYS: dict[str, str] = {}
 for _field in fields(Settings):
     for _strategy, _argument in knob_of(_field).strategy:
-        STRATEGY_KEYS.setdefault(_strategy, {})[_argument] = _field.name.replace("_", "-")
+        _table = FUSION_KEYS if _strategy == EVERY else STRATEGY_KEYS.setdefault(_strategy, {})
+        _table[_argument] = _field.name.replace("_", "-")
 
 
 def check_output_name(key: str, name: str) -> None:
@@ -1092,36 +1100,21 @@ def build_strategy(settings: Settings, model_spec: ModelSpec, val: ImageData | N
         return cls(
             model_spec,
             num_clients=settings.num_clients,
-            num_members=settings.num_members,
             val=val,
             device=device,
-            seed=settings.seed,
-            init_perturbation=settings.init_perturbation,
-            min_valid_uploads=settings.min_valid_uploads,
-            round_timeout=settings.round_timeout,
-            node_wait_timeout=settings.node_wait_timeout,
             extra_sections=[s for s in settings.extra_sections.split(",") if s],
             member_fusion=settings.member_fusion or None,
             client_config=client_config,
-            norm_stats=settings.norm_stats,
-            screen_factor=settings.screen_factor,
-            curvature_screen_factor=settings.curvature_screen_factor,
-            val_screen=settings.val_screen,
-            num_examples_cap=settings.num_examples_cap,
-            distill=settings.distill,
-            distill_epochs=settings.distill_epochs,
-            distill_lr=settings.distill_lr,
-            distill_temperature=settings.distill_temperature,
-            distill_augment=settings.distill_augment,
             # identities are decided in live rounds; a replay's uploads carry theirs, so a
             # registry file that is gone since must not stop it
             client_registry=None if settings.replay else settings.client_registry or None,
             **kwargs,
+            **{arg: values[key] for arg, key in FUSION_KEYS.items()},
             **{arg: values[key]
                for arg, key in STRATEGY_KEYS.get(settings.strategy, {}).items()},
         )
     except ValueError as exc:
-        keys = STRATEGY_KEYS.get(settings.strategy, {})
+        keys = {**FUSION_KEYS, **STRATEGY_KEYS.get(settings.strategy, {})}
         where = "; ".join(f"{arg} is run-config {key!r}" for arg, key in keys.items()
                           if arg in str(exc))
         raise ConfigError(f"strategy {settings.strategy!r}: {exc}"

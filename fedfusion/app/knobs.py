@@ -30,7 +30,8 @@ class Knob:
     #: the range or choice enforced by ``Settings.validate``; None: checked where it is used
     #: (the ``valid`` text says where) or by a parser of the key's string form
     check: Constraint | None = None
-    #: (strategy, constructor argument) pairs this key sets through ``build_strategy``
+    #: (strategy, constructor argument) pairs this key sets through ``build_strategy``;
+    #: strategy :data:`EVERY` for an argument all of them take
     strategy: tuple[tuple[str, str], ...] = ()
     #: decides the clients' data and models: a replay adopts it from the upload manifest,
     #: since the uploads were trained under it
@@ -51,6 +52,9 @@ def knob(default: Any, *, doc: str, valid: str, check: Constraint | None = None,
         doc=doc, valid=valid, check=check, strategy=strategy, data=data, node=node, path=path,
         default_note=default_note)})
 
+
+#: the ``strategy`` of a key that sets an argument every strategy takes
+EVERY = "*"
 
 #: the App-only rules (a strategy argument's rule lives with its constructor)
 SPLIT_SEED = Constraint("-1 (follow 'seed') or >= 0", lambda v: v >= -1)
