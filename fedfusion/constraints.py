@@ -35,18 +35,28 @@ class Constraint:
 class OneOf(Constraint):
     """``value`` is one of ``choices()`` (a callable: registries fill up after import)."""
 
-    choices: Callable[[], Iterable[str]] = tuple
+    choices: Callable[[], Iterable[str]]
+    #: ``""`` (the key unset) is allowed too
+    allow_empty: bool = False
 
     def message(self, name: str, value: Any) -> str:
-        return f"{name} is {value!r}; choose one of {', '.join(self.choices())}"
+        unset = "'' (unset) or " if self.allow_empty else ""
+        return f"{name} is {value!r}; choose {unset}one of {', '.join(self.choices())}"
 
 
 def one_of(choices: Iterable[str] | Callable[[], Iterable[str]], *,
            allow_empty: bool = False) -> OneOf:
     """A choice among ``choices`` (or ``""`` with ``allow_empty``: the key is unset)."""
-    source = choices if callable(choices) else (lambda fixed=tuple(choices): fixed)
+    if callable(choices):
+        source = choices
+    else:
+        fixed = tuple(choices)
+
+        def source() -> Iterable[str]:
+            return fixed
     return OneOf(rule="one of the listed choices",
-                 ok=lambda v: (allow_empty and v == "") or v in source(), choices=source)
+                 ok=lambda v: (allow_empty and v == "") or v in source(), choices=source,
+                 allow_empty=allow_empty)
 
 
 def _number(value: Any) -> bool:
