@@ -1028,10 +1028,16 @@ PATH_KEYS = _keys("path")
 #: theirs; each key's default equals the constructor's (tests/test_library.py checks it)
 STRATEGY_KEYS: dict[str, dict[str, str]] = {}
 FUSION_KEYS: dict[str, str] = {}
-for _field in fields(Settings):
-    for _strategy, _argument in knob_of(_field).strategy:
-        _table = FUSION_KEYS if _strategy == EVERY else STRATEGY_KEYS.setdefault(_strategy, {})
-        _table[_argument] = _field.name.replace("_", "-")
+
+
+def _collect_strategy_keys() -> None:
+    for f in fields(Settings):
+        for strategy, argument in knob_of(f).strategy:
+            table = FUSION_KEYS if strategy == EVERY else STRATEGY_KEYS.setdefault(strategy, {})
+            table[argument] = f.name.replace("_", "-")
+
+
+_collect_strategy_keys()
 
 
 def check_output_name(key: str, name: str) -> None:
