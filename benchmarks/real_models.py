@@ -107,8 +107,8 @@ from pathlib import Path
 import torch
 from common import REPO, live_run, live_run_in_process, section_mb, wait_for_live
 
-from fedfusion.app.config import STRATEGY_KEYS, Settings  # noqa: E402
-from fedfusion.server_app import DATA_KEYS, run_server  # noqa: E402
+from fedfusion.app.config import DATA_KEYS, STRATEGY_KEYS, Settings  # noqa: E402
+from fedfusion.server_app import run_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "real_models.json"
 PAGE = REPO / "benchmarks" / "docs" / "real-models.md"

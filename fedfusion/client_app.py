@@ -3,9 +3,9 @@
 The same ClientApp runs in a simulation (one Ray actor per SuperNode) and on a real
 SuperNode. Node config may override a few run-config keys per client (for example
 ``flower-supernode --node-config "partition-id=0 num-partitions=5 num-members=3"``):
-see :data:`NODE_OVERRIDES`. A simulation gives every node the same node config, so
-per-client architectures there come from the run-config key ``client-models`` instead
-(:func:`client_settings`).
+see :data:`fedfusion.app.config.NODE_OVERRIDES`. A simulation gives every node the same
+node config, so per-client architectures there come from the run-config key
+``client-models`` instead (:func:`client_settings`).
 
 The local objective is the cross-entropy, plus what the server's train config asks for
 (:class:`LocalObjective`): FedProx's proximal term to the received global model
@@ -49,9 +49,10 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedfusion import setup_logging
-from fedfusion.app.config import ConfigError, Settings, default_model
+from fedfusion.app.config import NODE_OVERRIDES, ConfigError, Settings, default_model
 from fedfusion.app.federation import client_for_partition, federated_split, holdout_split
 from fedfusion.client import broadcast_states, make_upload, requested_sections
+from fedfusion.constraints import FINITE_NON_NEGATIVE, FINITE_POSITIVE, Constraint
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.core.architecture import ModelSpec
 from fedfusion.core.model_check import DRY_ROWS, check_received
@@ -65,10 +66,6 @@ from fedfusion.training import LossTerm, ProximalTerm, TrainConfig, train_member
 from fedfusion.wire import WEIGHTS, ClientUpload, NumpyDict, encode_upload
 
 log = logging.getLogger("fedfusion")
-
-#: run-config keys a SuperNode's node config may override for its own client
-NODE_OVERRIDES = ("model", "model-kwargs", "num-members", "local-epochs", "client-threads",
-                  "client-device", "accelerate", "partition-file", "data-dir", "data-path")
 
 #: train-config keys by which a server with ``client-data='local'`` describes its data to the
 #: devices: the image shape ``[C, H, W]``, the class count and the per-channel normalisation
@@ -89,18 +86,17 @@ class LocalObjective:
     contrastive_weight: float = 0.0
     contrastive_temperature: float = 0.5
 
-    #: train-config key -> field
+    #: train-config key -> field; the rules are the run-config keys' of the same names
     KEYS: ClassVar[dict[str, str]] = {
         "prox-mu": "prox_mu", "contrastive-weight": "contrastive_weight",
         "contrastive-temperature": "contrastive_temperature"}
+    RULES: ClassVar[dict[str, Constraint]] = {
+        "prox-mu": FINITE_NON_NEGATIVE, "contrastive-weight": FINITE_NON_NEGATIVE,
+        "contrastive-temperature": FINITE_POSITIVE}
 
     def __post_init__(self) -> None:
         for key, name in self.KEYS.items():
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"train config {key!r} must be a finite number >= 0, got {value}")
-        if self.contrastive_temperature == 0:
-            raise ValueError("train config 'contrastive-temperature' must be > 0")
+            self.RULES[key].check(f"train config {key!r}", getattr(self, name))
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalObjective:

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.constraints import FINITE_NON_NEGATIVE, FINITE_POSITIVE
+
 
 def representation_layer(model: nn.Module) -> nn.Linear:
     """The model's last ``nn.Linear`` (in registration order): its input is the representation."""
@@ -84,10 +86,8 @@ class ContrastiveTerm:
     def __init__(self, model: nn.Module, global_state: Mapping[str, np.ndarray | torch.Tensor],
                  previous_state: Mapping[str, np.ndarray | torch.Tensor], weight: float,
                  temperature: float):
-        if not weight >= 0:
-            raise ValueError(f"the contrastive weight must be >= 0, got {weight}")
-        if not temperature > 0:
-            raise ValueError(f"the contrastive temperature must be > 0, got {temperature}")
+        FINITE_NON_NEGATIVE.check("the contrastive weight", weight)
+        FINITE_POSITIVE.check("the contrastive temperature", temperature)
         self.weight = weight
         self.temperature = temperature
         self.global_model = _frozen(model, global_state)

@@ -79,10 +79,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.constraints import FINITE_POSITIVE, Constraint
+
 log = logging.getLogger("fedfusion")
 
 #: the values of ``distill``: off, on the validation inputs, on generated inputs
 DISTILL_MODES = ("none", "val", "synthetic")
+#: ``distill_epochs``: passes over the inputs, 0 keeping the start
+DISTILL_EPOCHS = Constraint(
+    "an int >= 0 (passes over the inputs; 0 = the start)",
+    lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,9 @@ class DistillOptions:
     def check(self) -> None:
         """ValueError naming the argument (as the Fusion constructor calls it) of a bad one."""
         _check("distill", self.mode, self.mode in DISTILL_MODES, f"one of {DISTILL_MODES}")
-        _check("distill_epochs", self.epochs,
-               isinstance(self.epochs, int) and not isinstance(self.epochs, bool)
-               and self.epochs >= 0, "an int >= 0 (passes over the inputs; 0 = the start)")
-        for name, value in (("distill_lr", self.lr), ("distill_temperature", self.temperature)):
-            _check(name, value, isinstance(value, int | float) and not isinstance(value, bool)
-                   and math.isfinite(value) and value > 0, "a finite number > 0")
+        DISTILL_EPOCHS.check("distill_epochs", self.epochs)
+        FINITE_POSITIVE.check("distill_lr", self.lr)
+        FINITE_POSITIVE.check("distill_temperature", self.temperature)
         _check("distill_batch_size", self.batch_size,
                isinstance(self.batch_size, int) and self.batch_size >= 2, "an int >= 2")
         _check("distill_mixup", self.mixup, 0.0 <= self.mixup <= 1.0, "in [0, 1]")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from fedfusion.constraints import FINITE_NON_NEGATIVE
+
 #: an extra loss added to every step's cross-entropy, called with the batch inputs right
 #: after the model's forward pass on them (so a hook may reuse that pass's activations)
 LossTerm = Callable[[torch.Tensor], torch.Tensor]
@@ -26,8 +28,7 @@ class ProximalTerm:
 
     def __init__(self, model: nn.Module, mu: float,
                  reference: Mapping[str, torch.Tensor] | None = None):
-        if not mu >= 0:
-            raise ValueError(f"the proximal mu must be >= 0, got {mu}")
+        FINITE_NON_NEGATIVE.check("the proximal mu", mu)
         self.mu = mu
         self.params = dict(model.named_parameters())
         if reference is None:

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedfusion import setup_logging
 from fedfusion.app.config import (
+    DATA_KEYS,
     ConfigError,
     Settings,
     build_strategy,
@@ -52,13 +53,6 @@ from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
 
-#: run-config keys that decide the clients' data and models: a replay takes them from the
-#: upload folder's manifest, since the uploads were trained under them
-DATA_KEYS = ("dataset", "val-size", "train-subset", "partitioner", "alpha", "labels-per-client",
-             "fractions", "min-samples", "num-clients", "seed", "split-seed", "model",
-             "model-kwargs", "num-members", "local-epochs", "lr", "momentum", "batch-size",
-             "client-models", "partition-sha256", "val-source", "input-mean", "input-std",
-             "client-data", "holdout-fraction")
 #: where the partition file is: adopted from the manifest unless the run config names one
 #: (the file may live elsewhere on this machine; partition-sha256 still has to match)
 PARTITION_KEYS = ("partition-file", "partition-key")

@@ -17,7 +17,7 @@
 #                    public half is registered with `flwr supernode register` before it starts
 #   --run-config     run-config overrides, as for `python -m fedfusion.app.launch`; default
 #                    output-dir WORK/outputs, run-name deploy-<mode>, num-clients N (3)
-#   --node I "k=v"   more node config for SuperNode I (fedfusion.client_app.NODE_OVERRIDES,
+#   --node I "k=v"   more node config for SuperNode I (fedfusion.app.config.NODE_OVERRIDES,
 #                    e.g. "num-members=2 local-epochs=5"; TOML values: strings in quotes)
 #   --work-dir DIR   logs/, certs/, keys/, flwr-home/, outputs/ (default: a new temp dir, kept)
 #   --intruders      also start SuperNodes the SuperLink must refuse (tls: one that lacks the

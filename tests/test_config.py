@@ -1,17 +1,37 @@
+import inspect
+import math
+import subprocess
+import sys
 import tomllib
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import initial_models
+from conftest import SmallCNN, initial_models
 
-from fedfusion.app.config import ConfigError, Settings
+from fedfusion.app.config import (
+    DATA_KEYS,
+    FUSION_KEYS,
+    NODE_OVERRIDES,
+    PATH_KEYS,
+    STRATEGY_KEYS,
+    ConfigError,
+    Settings,
+    build_strategy,
+    knob_of,
+)
 from fedfusion.app.federation import federated_split
-from fedfusion.client_app import member_seed
+from fedfusion.app.knobs import GROUPS
+from fedfusion.app.reference import BEGIN, END, key_table, pyproject_mismatches, with_key_table
+from fedfusion.client_app import LocalObjective, member_seed
 from fedfusion.core.predictors import ModelSpec
+from fedfusion.distillation import DistillOptions
+from fedfusion.strategies import STRATEGIES, FedAvg, FedProx
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = REPO / "pyproject.toml"
+DOC = REPO / "docs" / "configuration.md"
 
 
 def test_pyproject_defaults_are_the_settings_defaults():
@@ -67,3 +87,128 @@ def test_split_seed_fixes_the_split_while_seed_varies_the_inits(small_settings):
     assert not all(np.array_equal(first[k], second[k]) for k in first)
     with pytest.raises(ConfigError, match="split-seed"):
         Settings.from_mapping({"split-seed": -2})
+
+
+def test_the_docs_key_table_is_the_declarations():
+    """docs/configuration.md's key table is exactly what the declarations render: every key
+    once, in a row of its own, with its declared default, doc and valid range."""
+    doc = DOC.read_text()
+    assert with_key_table(doc) == doc, "stale: run python scripts/config_reference.py"
+    rows = [line for line in key_table().splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(Settings().to_mapping())
+    assert "| `prox-mu` | `0.01` |" in doc and "| `strategy` | `\"fedavg\"` |" in doc
+    assert set(GROUPS) <= set(Settings().to_mapping())
+
+
+def test_the_key_table_checker_sees_a_stale_or_missing_table():
+    doc = DOC.read_text()
+    stale = doc.replace("| `lr` | `0.01` |", "| `lr` | `0.1` |")
+    assert stale != doc and with_key_table(stale) == doc
+    with pytest.raises(ValueError, match="markers"):
+        with_key_table(doc.replace(BEGIN, ""))
+    assert doc.index(END) > doc.index(BEGIN)
+
+
+def test_the_pyproject_checker_names_each_departure():
+    config = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    assert pyproject_mismatches(config) == []
+    changed = {**config, "lr": 0.1, "round-timeout": 3600, "bogus-key": 1}
+    del changed["alpha"]
+    assert sorted(pyproject_mismatches(changed)) == sorted([
+        "pyproject lacks the key 'alpha'", "pyproject has the undeclared key 'bogus-key'",
+        "pyproject sets lr = 0.1, its declared default is 0.01",
+        "pyproject sets round-timeout = 3600, its declared default is 3600.0"])
+
+
+def test_the_reference_script_checks_docs_and_pyproject():
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "config_reference.py"),
+                          "--check"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_role_tables_are_read_off_the_declarations():
+    """STRATEGY_KEYS, FUSION_KEYS, DATA_KEYS, NODE_OVERRIDES and PATH_KEYS hold exactly the
+    keys whose declarations say so, and every strategy argument named exists on that
+    strategy (FUSION_KEYS' on every strategy)."""
+    declared = {f.name.replace("_", "-"): knob_of(f) for f in fields(Settings)}
+    assert set(DATA_KEYS) == {k for k, d in declared.items() if d.data}
+    assert set(NODE_OVERRIDES) == {k for k, d in declared.items() if d.node}
+    assert set(PATH_KEYS) == {k for k, d in declared.items() if d.path}
+    assert {"dataset", "model", "num-members", "holdout-fraction"} <= set(DATA_KEYS)
+    assert {"model", "num-members", "data-path"} <= set(NODE_OVERRIDES)
+    assert STRATEGY_KEYS["fedprox"] == {"prox_mu": "prox-mu"}
+    for name, arguments in STRATEGY_KEYS.items():
+        assert name in STRATEGIES
+        for argument, key in arguments.items():
+            assert (name, argument) in declared[key].strategy
+    assert {"screen_factor", "round_timeout", "distill"} <= set(FUSION_KEYS)
+    for name, cls in STRATEGIES.items():
+        takes = {a for klass in cls.__mro__ if "__init__" in vars(klass)
+                 for a in inspect.signature(klass.__init__).parameters}
+        assert set(FUSION_KEYS) | set(STRATEGY_KEYS.get(name, {})) <= takes, name
+
+
+#: run-config key -> how to build the library object that checks the argument it feeds
+LIBRARY_RULES = {
+    "screen-factor": lambda v: FedAvg(SmallCNN, screen_factor=v),
+    "curvature-screen-factor": lambda v: FedAvg(SmallCNN, curvature_screen_factor=v),
+    "num-examples-cap": lambda v: FedAvg(SmallCNN, num_examples_cap=v),
+    "init-perturbation": lambda v: FedAvg(SmallCNN, init_perturbation=v),
+    "round-timeout": lambda v: FedAvg(SmallCNN, round_timeout=v),
+    "node-wait-timeout": lambda v: FedAvg(SmallCNN, node_wait_timeout=v),
+    "prox-mu": lambda v: FedProx(SmallCNN, prox_mu=v),
+    "contrastive-weight": lambda v: LocalObjective(contrastive_weight=v),
+    "contrastive-temperature": lambda v: LocalObjective(contrastive_temperature=v),
+    "distill-lr": lambda v: DistillOptions(lr=v).check(),
+    "distill-temperature": lambda v: DistillOptions(temperature=v).check(),
+    "pfnm-sigma": lambda v: STRATEGIES["pfnm"](MLP, sigma=v),
+    "pfnm-gamma": lambda v: STRATEGIES["pfnm"](MLP, gamma=v),
+}
+#: the same for the int keys
+LIBRARY_INT_RULES = {
+    "num-members": lambda v: FedAvg(SmallCNN, num_members=v),
+    "min-valid-uploads": lambda v: FedAvg(SmallCNN, min_valid_uploads=v),
+    "distill-epochs": lambda v: DistillOptions(epochs=v).check(),
+    "server-patience": lambda v: STRATEGIES["fedbens"](SmallCNN, patience=v),
+    "fedbens-num-starts": lambda v: STRATEGIES["fedbens"](SmallCNN, num_starts=v),
+    "fedbens-modes": lambda v: STRATEGIES["fedbens"](SmallCNN, modes=v),
+    "ams-top-k": lambda v: STRATEGIES["ams"](SmallCNN, top_k=v),
+    "pfnm-iters": lambda v: STRATEGIES["pfnm"](MLP, iters=v),
+}
+MLP = ModelSpec("mlp", (1, 28, 28), 10)
+
+
+def outcome(call) -> str | None:
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    *((key, value) for key in sorted(LIBRARY_RULES)
+      for value in (-1.0, 0.0, 0.5, 1.0, 10.0, math.inf, math.nan)),
+    *((key, value) for key in sorted(LIBRARY_INT_RULES) for value in (-1, 0, 1, 3))])
+def test_the_run_config_refuses_what_the_library_refuses(key, value):
+    """One rule per knob: the run config refuses a value of a key exactly where the library
+    object the key feeds refuses it, and both messages state the same rule."""
+    library_error = outcome(lambda: {**LIBRARY_RULES, **LIBRARY_INT_RULES}[key](value))
+    config_error = outcome(lambda: Settings.from_mapping({key: value}))
+    assert (library_error is None) == (config_error is None), (library_error, config_error)
+    if config_error is not None:
+        assert config_error.startswith(f"run-config {key!r} must be ")
+        assert config_error.split(" must be ")[1] == library_error.split(" must be ")[1]
+
+
+def test_build_strategy_passes_the_declared_arguments():
+    """The keys declared as every strategy's arguments reach the constructor, by name."""
+    settings = Settings(strategy="fedprox", screen_factor=5.0, round_timeout=7.0, num_members=2,
+                        distill_epochs=3, prox_mu=0.25, norm_stats="average")
+    strategy = build_strategy(settings, ModelSpec("lenet", (1, 28, 28), 10))
+    assert (strategy.screen_factor, strategy.round_timeout, strategy.num_members) == (5.0, 7.0, 2)
+    assert strategy.distill_options.epochs == 3 and strategy.norm_stats == "average"
+    assert strategy.client_config["prox-mu"] == 0.25
+    with pytest.raises(ConfigError, match="strategy 'fedprox': num_examples_cap must be 0"):
+        build_strategy(replace(settings, num_examples_cap=0.5),
+                       ModelSpec("lenet", (1, 28, 28), 10))

@@ -217,7 +217,7 @@ def test_bad_values_are_rejected_naming_the_argument(kwargs, message):
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"distill": "yes"}, "'distill' is 'yes'; choose one of none, val, synthetic"),
-    ({"distill-epochs": -1}, "'distill-epochs' must be >= 0"),
+    ({"distill-epochs": -1}, "'distill-epochs' must be an int >= 0"),
     ({"distill-lr": 0.0}, "'distill-lr' must be a finite number > 0"),
     ({"distill-temperature": -1.0}, "'distill-temperature' must be"),
     ({"distill": "val", "server-validation": False}, "needs server-validation=true"),

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion import LocalGrid, client, evaluate
-from fedfusion.app.config import STRATEGY_KEYS, Settings
+from fedfusion.app.config import FUSION_KEYS, STRATEGY_KEYS, Settings
 from fedfusion.core.fusion import Fusion, summarise_reason
 from fedfusion.flower.identity import SERVER_ID_BASE
 from fedfusion.strategies import (
@@ -267,9 +267,7 @@ def test_constructor_defaults_equal_the_run_config_defaults(name):
     """One source of truth: a strategy built from the defaults of its constructor equals one
     built from the run config's defaults."""
     cls, settings = STRATEGIES[name], Settings().to_mapping()
-    for arg, key in [*STRATEGY_KEYS.get(name, {}).items(), ("round_timeout", "round-timeout"),
-                     ("node_wait_timeout", "node-wait-timeout"),
-                     ("min_valid_uploads", "min-valid-uploads")]:
+    for arg, key in [*STRATEGY_KEYS.get(name, {}).items(), *FUSION_KEYS.items()]:
         default, configured = _default(cls, arg), settings[key]
         if isinstance(default, tuple):  # a comma list in the run config
             configured = tuple(float(v) for v in configured.split(","))

@@ -343,7 +343,7 @@ def test_cifar10_cnn_path_on_generated_data(tmp_path, monkeypatch):
     ({"swa-distance": "renyi3"}, "'swa-distance' is 'renyi3'"),
     ({"prox-mu": -0.1}, "'prox-mu' must be"),
     ({"contrastive-weight": float("nan")}, "'contrastive-weight' must be"),
-    ({"contrastive-temperature": 0.0}, "'contrastive-temperature' must be > 0"),
+    ({"contrastive-temperature": 0.0}, "'contrastive-temperature' must be a finite number > 0"),
     ({"swa-size-weighting": "yes"}, "'swa-size-weighting' must be bool"),
 ])
 def test_swa_run_config_is_validated(values, message):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import re
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fedfusion.constraints import AT_LEAST_ONE, FINITE_NON_NEGATIVE, OFF_OR_AT_LEAST_ONE
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.evaluation import (
     Labelled,
@@ -247,10 +247,9 @@ class Fusion(ABC):
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
             spec.num_classes = spec.num_classes or int(val_data.y.max()) + 1
         self.context = FusionContext(spec, resolve_device(device), val_data, seed)
-        expect("num_members", num_members, num_members >= 1, ">= 1")
-        expect("min_valid_uploads", min_valid_uploads, min_valid_uploads >= 1, ">= 1")
-        expect("init_perturbation", init_perturbation,
-               math.isfinite(init_perturbation) and init_perturbation >= 0, "a number >= 0")
+        AT_LEAST_ONE.check("num_members", num_members)
+        AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
+        FINITE_NON_NEGATIVE.check("init_perturbation", init_perturbation)
         self.init_perturbation = float(init_perturbation)
         expect("norm_stats", norm_stats, norm_stats in NORM_STATS, f"one of {NORM_STATS}")
         expect("norm_stats", norm_stats, (norm_stats == "client") <= self.keeps_client_models,
@@ -276,18 +275,13 @@ class Fusion(ABC):
         expect("member_fusion", self.member_fusion, self.member_fusion in self.member_fusions,
                f"one of {self.member_fusions} for {type(self).__name__}")
         self.num_members, self.min_valid_uploads = num_members, min_valid_uploads
-        expect("screen_factor", screen_factor, math.isfinite(screen_factor)
-               and (screen_factor == 0 or screen_factor >= 1), "0 (off) or a number >= 1")
-        expect("curvature_screen_factor", curvature_screen_factor,
-               math.isfinite(curvature_screen_factor)
-               and (curvature_screen_factor == 0 or curvature_screen_factor >= 1),
-               "0 (off) or a number >= 1")
+        OFF_OR_AT_LEAST_ONE.check("screen_factor", screen_factor)
+        OFF_OR_AT_LEAST_ONE.check("curvature_screen_factor", curvature_screen_factor)
         expect("val_screen", val_screen, isinstance(val_screen, bool), "True or False")
         #: the curvature/Gram screen's factor (0 = off) and whether the validation screen runs
         self.curvature_screen_factor = float(curvature_screen_factor)
         self.val_screen = val_screen
-        expect("num_examples_cap", num_examples_cap, math.isfinite(num_examples_cap)
-               and (num_examples_cap == 0 or num_examples_cap >= 1), "0 (off) or a number >= 1")
+        OFF_OR_AT_LEAST_ONE.check("num_examples_cap", num_examples_cap)
         #: robust aggregation (:mod:`fedfusion.core.screening`): the norm-screen
         #: factor and the cap on claimed counts relative to the other clients (0 = off)
         self.screen_factor, self.num_examples_cap = float(screen_factor), float(num_examples_cap)

@@ -95,6 +95,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.constraints import FINITE_NON_NEGATIVE
 from fedfusion.core.evaluation import Labelled, evaluate
 from fedfusion.sections import CURVATURE_PREFIX
 from fedfusion.wire import WEIGHTS, ClientUpload
@@ -142,9 +143,7 @@ def cap_num_examples(uploads: Sequence[ClientUpload], factor: float
     client. Returns the uploads (a copy with the capped count where capped, else the upload
     itself) and one record per capped client: ``client_id``, ``node_id``, ``claimed``,
     ``capped_to``, ``median_of_others``, ``factor``."""
-    if factor < 0 or not math.isfinite(factor):
-        raise ValueError(f"the num_examples cap factor must be a finite number >= 0, got "
-                         f"{factor!r}")
+    FINITE_NON_NEGATIVE.check("the num_examples cap factor", factor)
     if not factor or len(uploads) < 2:
         return list(uploads), []
     claims = [int(u.num_examples) for u in uploads]
@@ -238,8 +237,7 @@ def screen_weight_norms(uploads: Sequence[ClientUpload], factor: float
     Returns (kept uploads in the order given, (upload, reason) per outlier, notes on what
     could not be screened). The reason names the worst entry: ``member m`` (when the client
     has several), the entry, its norm, the ratio to the clients' median, and the factor."""
-    if factor < 0 or not math.isfinite(factor):
-        raise ValueError(f"the screen factor must be a finite number >= 0, got {factor!r}")
+    FINITE_NON_NEGATIVE.check("the screen factor", factor)
     if not factor:
         return list(uploads), [], []
     if len(uploads) < MIN_SCREEN_CLIENTS:
@@ -315,9 +313,7 @@ def screen_curvature(uploads: Sequence[ClientUpload], factor: float, sections: S
     Returns (kept uploads in the order given, (upload, reason) per outlier, notes), as
     :func:`screen_weight_norms`; the reason names the worst layer: member, section, layer,
     its trace per example, the ratio to the clients' median and the factor."""
-    if factor < 0 or not math.isfinite(factor):
-        raise ValueError(f"the curvature screen factor must be a finite number >= 0, got "
-                         f"{factor!r}")
+    FINITE_NON_NEGATIVE.check("the curvature screen factor", factor)
     sections = [s for s in sections if screened_section(s)]
     if not factor or not sections:
         return list(uploads), [], []

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfusion.constraints import NON_NEGATIVE
 from fedfusion.core.evaluation import Labelled
 
 DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits")
@@ -315,8 +316,7 @@ def load_dataset(
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    if val_size < 0:
-        raise ValueError(f"val_size must be >= 0, got {val_size}")
+    NON_NEGATIVE.check("val_size", val_size)
     if name == "digits":
         return _digits_bundle(val_size, seed)
     chosen_dir = data_dir or os.environ.get(DATA_DIR_ENV) or None

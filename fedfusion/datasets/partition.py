@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fedfusion.constraints import POSITIVE
+
 PARTITIONERS = ("dirichlet", "flwr-dirichlet", "hetero-label", "iid", "fractions")
 
 
@@ -140,8 +142,7 @@ def _dirichlet(
     max_retries: int,
 ) -> list[np.ndarray]:
     """FedBEns / FedFisher Dirichlet split, redrawn until every client has ``min_samples``."""
-    if alpha <= 0:
-        raise PartitionError(f"alpha must be > 0, got {alpha}")
+    POSITIVE.check("alpha", alpha, PartitionError)
     if num_clients * min_samples > len(labels):
         raise PartitionError(
             f"{num_clients} clients x min_samples={min_samples} exceeds the "

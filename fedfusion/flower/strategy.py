@@ -35,6 +35,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import nn
 
+from fedfusion.constraints import SECONDS
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.fusion import FUSION_PARAMETERS, Fusion, expect, summarise_reason
 from fedfusion.core.predictors import Ensemble
@@ -142,8 +143,8 @@ class FusionStrategy(Fusion, Strategy):
         expect("fraction_train", fraction_train, 0.0 < fraction_train <= 1.0, "in (0, 1]")
         expect("min_train_nodes", min_train_nodes, min_train_nodes >= 1, ">= 1")
         expect("min_available_nodes", min_available_nodes, min_available_nodes >= 1, ">= 1")
-        expect("round_timeout", round_timeout, round_timeout > 0, "> 0 seconds")
-        expect("node_wait_timeout", node_wait_timeout, node_wait_timeout > 0, "> 0 seconds")
+        SECONDS.check("round_timeout", round_timeout)
+        SECONDS.check("node_wait_timeout", node_wait_timeout)
         self.fraction_train = fraction_train
         self.min_train_nodes, self.min_available_nodes = min_train_nodes, min_available_nodes
         self.round_timeout, self.node_wait_timeout = float(round_timeout), float(node_wait_timeout)

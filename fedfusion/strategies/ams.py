@@ -29,10 +29,14 @@ from typing import Any
 
 from torch import nn
 
+from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.predictors import Ensemble, MaxLogitSelector
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.wire import ClientUpload
+
+#: ``top_k``'s rule, which the App's ``ams-top-k`` shares
+TOP_K = Constraint(">= 0 (0 = all clients)", lambda v: v >= 0)
 
 
 class AdaptiveModelSelection(UniformEnsemble):
@@ -51,8 +55,7 @@ class AdaptiveModelSelection(UniformEnsemble):
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  top_k: int = 1, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = all clients), got {top_k}")
+        TOP_K.check("top_k", top_k)
         self.top_k = top_k
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from fedfusion.constraints import FINITE_NON_NEGATIVE
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.strategies.fedavg import FedAvg
 
@@ -33,7 +34,6 @@ class FedProx(FedAvg):
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  prox_mu: float = 0.01, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
-        if not prox_mu >= 0:
-            raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
+        FINITE_NON_NEGATIVE.check("prox_mu", prox_mu)
         self.client_config["prox-mu"] = float(prox_mu)
 

@@ -76,6 +76,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from fedfusion.constraints import NON_NEGATIVE, POSITIVE
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.predictors import Ensemble
 from fedfusion.flower.strategy import FusionStrategy
@@ -293,8 +294,9 @@ class PFNM(FusionStrategy):
                  gamma: float = 1.0, iters: int = 5, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         context = self.context
-        if min(sigma, sigma0, gamma) <= 0 or iters < 0:
-            raise ValueError("pfnm needs sigma, sigma0, gamma > 0 and iters >= 0")
+        for name, value in (("sigma", sigma), ("sigma0", sigma0), ("gamma", gamma)):
+            POSITIVE.check(name, value)
+        NON_NEGATIVE.check("iters", iters)
         self.sigma, self.sigma0, self.gamma, self.iters = sigma, sigma0, gamma, iters
         self._chain = self._layers(context.model_spec.name, context.model_spec.kwargs)
         if len(self._chain) < 2:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.normalization import has_running_stats
 from fedfusion.core.predictors import Ensemble
@@ -60,6 +61,11 @@ from fedfusion.wire import WEIGHTS, ClientUpload
 STARTS = ("auto", "median", "mean", "members", "clustered")
 #: ``starts="clustered"`` with ``num_starts=0`` runs this many times max_c M_c runs
 CLUSTERED_RUNS_PER_MEMBER = 2
+#: the rules of the run-count arguments, which the App's keys for them share
+PATIENCE = Constraint(">= 0 (0 = run every step)", lambda v: v >= 0)
+NUM_STARTS = Constraint(f">= 0 (0 = {CLUSTERED_RUNS_PER_MEMBER} x the members per client)",
+                        lambda v: v >= 0)
+MODES = Constraint(">= 0 (0 = every run)", lambda v: v >= 0)
 
 log = logging.getLogger("fedfusion")
 
@@ -156,13 +162,9 @@ class FedBEns(FusionStrategy):
                              f"got {hessian_structure!r}")
         if starts not in STARTS:
             raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
-        if patience < 0:
-            raise ValueError(f"patience must be >= 0 (0 = run every step), got {patience}")
-        if num_starts < 0:
-            raise ValueError(f"num_starts must be >= 0 (0 = {CLUSTERED_RUNS_PER_MEMBER} x "
-                             f"the members per client), got {num_starts}")
-        if modes < 0:
-            raise ValueError(f"modes must be >= 0 (0 = every run), got {modes}")
+        PATIENCE.check("patience", patience)
+        NUM_STARTS.check("num_starts", num_starts)
+        MODES.check("modes", modes)
         self.starts, self.num_starts, self.modes = starts, num_starts, modes
         # without a validation set the last (best-objective) iterate is kept, so the run
         # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
