@@ -144,7 +144,7 @@ def test_non_finite_results_are_errors_and_results_json_stays_strict():
 
     import torch
 
-    from fedfusion.server_app import strict_json
+    from fedfusion.app.output import strict_json
 
     class NaNFedAvg(FedAvg):
         name = "nan-fedavg"
