@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import initial_models
 
+from fedfusion.app.client_round import member_seed
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
-from fedfusion.client_app import member_seed
 from fedfusion.predictors import ModelSpec
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
