@@ -156,6 +156,28 @@ def test_the_builtin_client_refuses_before_its_first_training_step(monkeypatch, 
     assert calls == []
 
 
+def test_the_builtin_client_refuses_a_broadcast_that_does_not_fit_its_network(tmp_path):
+    """The train config names the node's own architecture (LeNet) but the arrays are an
+    MLP's: the App's client refuses them (fedfusion.client.initial_models) rather than
+    training fresh inits; a broadcast that names another architecture than the node's
+    (per-client architectures) leaves the node to train its own, seeded."""
+    from fedfusion.app import client_round
+    from fedfusion.app.config import Settings
+    from fedfusion.strategies import FedAvg
+
+    settings = Settings(num_clients=2, train_subset=200, local_epochs=1, val_size=50,
+                        output_dir=str(tmp_path))
+    mlp = FedAvg(ModelSpec("mlp", (1, 28, 28), 10), num_members=1).initial_models()
+    with pytest.raises(ValueError, match="the server's member 0 does not fit"):
+        client_round.run_client(settings, 0, mlp, server_config={"model": "lenet",
+                                                                  "model-kwargs": "{}"})
+    own = client_round.run_client(settings, 0, mlp, server_config={"model": "mlp",
+                                                                    "model-kwargs": "{}"})
+    again = client_round.run_client(settings, 0, [], server_config={})
+    assert own.model == "lenet" and own.weights(0).keys() != mlp[0].keys()
+    assert all((own.weights(0)[k] == again.weights(0)[k]).all() for k in own.weights(0))
+
+
 @pytest.mark.parametrize(("model_fn", "problem"), [
     (lambda: torch.nn.Linear(64, 3), "returns 3 scores per input, fewer than the 10 classes"),
     (lambda: torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.Unflatten(1, (2, 5))),
