@@ -7,6 +7,10 @@ Outputs of a run, in ``<output-dir>/<run-name>/``:
   histogram, training time and upload size, excluded clients with reasons, timings;
 * ``predictor.pt``: the global predictor (:func:`fedfusion.predictors.load_predictor`);
 * ``uploads/``: the clients' uploads of a one-shot run (replay them with ``replay=...``).
+
+The strategy's own account (clients, exclusions, report, cost, screening, timing) is the
+value :meth:`~fedfusion.strategies.fusion.Fusion.diagnostics` returns; this module adds the
+App's evaluation and settings, and :mod:`fedfusion.app.output` writes the file.
 """
 
 from __future__ import annotations
