@@ -37,8 +37,8 @@ from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_head
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
+from fedfusion.app.output import output_folder
 from fedfusion.predictors import Ensemble, load_predictor, save_predictor
-from fedfusion.server_app import output_folder
 from fedfusion.strategies.identity import RegistryError, check_client_registry, read_client_registry
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (

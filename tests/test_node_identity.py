@@ -21,8 +21,8 @@ from flwr.app import ConfigRecord, Message
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.architecture import ModelSpec
-from fedfusion.server_app import client_table
 from fedfusion.strategies import FedAvg
+from fedfusion.strategies.diagnostics import client_table
 from fedfusion.strategies.identity import (
     MAX_REGISTRY_BYTES,
     SERVER_ID_BASE,
