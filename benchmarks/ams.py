@@ -47,15 +47,15 @@ from typing import Any
 import numpy as np
 from common import REPO
 
+from fedfusion.app.client_round import run_client  # noqa: E402
 from fedfusion.app.config import (
     Settings,  # noqa: E402
     default_model,  # noqa: E402
 )
 from fedfusion.app.federation import federated_split  # noqa: E402
-from fedfusion.client_app import client_settings, run_client  # noqa: E402
+from fedfusion.client_app import client_settings  # noqa: E402
 from fedfusion.core.evaluation import evaluate  # noqa: E402
 from fedfusion.core.predictors import ModelSpec  # noqa: E402
-from fedfusion.server_app import initial_models  # noqa: E402
 from fedfusion.strategies import (  # noqa: E402
     PFNM,
     AdaptiveModelSelection,
@@ -101,8 +101,11 @@ def federation(settings: Settings, folder: Path, fresh: bool) -> tuple[list, flo
     bundle = federated_split(settings).bundle
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
-    inits = initial_models(spec, settings.num_members, settings.seed)  # the broadcast
-    uploads = [run_client(client_settings(settings, c), c, inits)
+    inits = FedAvg(spec, num_members=settings.num_members,
+                   seed=settings.seed).initial_models()  # the broadcast
+    # named as a strategy names it: a client of another depth trains from its own init
+    broadcast = {"model": spec.name, "model-kwargs": json.dumps(spec.kwargs, sort_keys=True)}
+    uploads = [run_client(client_settings(settings, c), c, inits, server_config=broadcast)
                for c in range(settings.num_clients)]
     save_uploads(uploads_dir, uploads, settings.to_mapping())
     return uploads, sum(float(u.metrics["train-time-s"]) for u in uploads)

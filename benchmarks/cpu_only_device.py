@@ -75,8 +75,9 @@ def client_round(data_path: str, members: int) -> dict[str, Any]:
     import numpy as np
     import torch
 
+    from fedfusion.app.client_round import run_client
     from fedfusion.app.config import Settings
-    from fedfusion.client_app import data_description, run_client
+    from fedfusion.app.data_description import data_description
     from fedfusion.wire import encode_upload
 
     imports = {"vmhwm_mb": _status_kb("VmHWM:") / 1024,

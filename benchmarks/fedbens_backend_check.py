@@ -27,9 +27,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fedfusion.app.client_round import section_options  # noqa: E402
 from fedfusion.app.config import Settings, default_model  # noqa: E402
 from fedfusion.app.federation import federated_split  # noqa: E402
-from fedfusion.client_app import section_options  # noqa: E402
 from fedfusion.core.predictors import ModelSpec  # noqa: E402
 from fedfusion.sections import SectionOptions, build_section  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402

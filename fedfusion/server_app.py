@@ -7,22 +7,21 @@ Outputs of a run, in ``<output-dir>/<run-name>/``:
   histogram, training time and upload size, excluded clients with reasons, timings;
 * ``predictor.pt``: the global predictor (:func:`fedfusion.core.predictors.load_predictor`);
 * ``uploads/``: the clients' uploads of a one-shot run (replay them with ``replay=...``).
+
+The strategy's own account (clients, exclusions, report, cost, screening, timing) is the
+value :meth:`~fedfusion.core.fusion.Fusion.diagnostics` returns; this module adds the
+App's evaluation and settings, and :mod:`fedfusion.app.output` writes the file.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import math
-import os
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -33,22 +32,20 @@ from fedfusion.app.config import (
     ConfigError,
     Settings,
     build_strategy,
-    check_output_name,
     default_model,
     resolved_holdout,
 )
-from fedfusion.app.federation import FederatedSplit, federated_split
+from fedfusion.app.data_description import data_description
+from fedfusion.app.federation import federated_split
 from fedfusion.app.inprocess import InProcessGrid
-from fedfusion.client_app import data_description
+from fedfusion.app.output import output_folder, write_results
+from fedfusion.app.summary import print_histogram, print_summary
 from fedfusion.core.architecture import ModelSpec
 from fedfusion.core.evaluation import evaluate, resolve_device
-from fedfusion.core.predictors import Ensemble, save_predictor
-from fedfusion.core.screening import capped_reason
-from fedfusion.core.state import state_arrays
+from fedfusion.core.predictors import save_predictor
 from fedfusion.datasets import load_dataset
-from fedfusion.device import DEVICE_METRIC, device_label
-from fedfusion.strategies import FENS, FusionStrategy
-from fedfusion.upload_store import UploadWriter, load_uploads, make_folder, open_no_follow
+from fedfusion.strategies import FENS
+from fedfusion.upload_store import UploadWriter, load_uploads
 from fedfusion.wire import ClientUpload
 
 log = logging.getLogger("fedfusion")
@@ -58,42 +55,6 @@ log = logging.getLogger("fedfusion")
 PARTITION_KEYS = ("partition-file", "partition-key")
 
 app = ServerApp()
-
-
-#: what a run writes into its folder (none of them may be a symlink there)
-OUTPUTS = ("results.json", "predictor.pt", "uploads")
-
-
-def output_folder(settings: Settings) -> Path:
-    """``<output-dir>/<run-name>``, created, or an existing real folder; refused (OSError
-    naming run-name) when it, or any of :data:`OUTPUTS` in it, is a symlink, and (ConfigError
-    naming the key) before anything is created when ``run-name`` is not one folder name
-    (absolute, ``..``, a NUL, a separator: also for Settings built without ``validate()``).
-    The folder, symlinks resolved, lies directly inside the resolved ``output-dir``."""
-    if "\0" in settings.output_dir:  # also for Settings built without validate()
-        raise ConfigError("run-config 'output-dir' holds a NUL byte; no path can")
-    root = Path(settings.output_dir).expanduser() if settings.output_dir else (
-        Path.home() / "fedfusion-outputs")
-    name = settings.run_name or (
-        f"{time.strftime('%Y%m%d-%H%M%S')}-{settings.strategy}-{settings.dataset}"
-        f"-{settings.partitioner}{settings.alpha:g}-s{settings.seed}"
-        + ("-replay" if settings.replay else ""))
-    check_output_name("run-name", name)  # one name: nothing on the way but output-dir
-    root = root.resolve()
-    try:
-        folder = make_folder(root / name)  # a symlink in its place is refused
-    except OSError as exc:
-        raise OSError(exc.errno, f"run-config 'run-name' {name!r} in output-dir "
-                      f"{str(root)!r}: {exc.strerror or exc}") from exc
-    if folder.resolve().parent != root:  # what the checks above guarantee, asserted
-        raise ConfigError(f"run-config 'run-name' {name!r} resolves to {folder.resolve()}, "
-                          f"outside output-dir {str(root)!r}")
-    for output in OUTPUTS:  # refused now rather than after the run: nothing follows a link
-        if (folder / output).is_symlink():
-            raise OSError(errno.ELOOP, f"refusing to write {folder / output}: it is a symlink "
-                          f"(to {os.readlink(folder / output)!r}); remove it, or choose "
-                          "another output-dir or run-name")
-    return folder
 
 
 def replay_settings(settings: Settings
@@ -134,16 +95,6 @@ def replay_settings(settings: Settings
     return Settings.from_mapping({**settings.to_mapping(), **changes}), uploads, failures
 
 
-def print_histogram(split: FederatedSplit) -> None:
-    hist = split.histogram
-    header = "client " + " ".join(f"{k:>6d}" for k in range(hist.shape[1])) + "   total"
-    lines = [header] + [
-        f"{c:>6d} " + " ".join(f"{v:>6d}" for v in row) + f" {row.sum():>7d}"
-        for c, row in enumerate(hist)
-    ]
-    log.info("class histogram per client (columns: classes)\n%s", "\n".join(lines))
-
-
 def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
     """Run one fedfusion job (live through ``grid``, or a replay) and save its results."""
     setup_logging()
@@ -170,12 +121,6 @@ def run_server(settings: Settings, grid: Grid | None = None) -> dict[str, Any]:
         write_results(folder, results)
         print_summary(results)
     return results
-
-
-def write_results(folder: Path, results: dict[str, Any]) -> None:
-    """``folder/results.json`` (strict JSON; a symlink in its place is refused)."""
-    with open_no_follow(folder / "results.json") as handle:
-        handle.write(json.dumps(strict_json(results), indent=1, allow_nan=False).encode())
 
 
 def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | None,
@@ -220,7 +165,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     strategy = build_strategy(settings, spec, bundle.val if use_val else None, device,
                               upload_sink=sink)
     context = strategy.context
-    results["excluded"] = strategy.exclusions  # kept in results.json even if the run fails
+    results["excluded"] = strategy.exclusions  # the live list: kept even if the run fails
     if strategy.one_shot_only and settings.num_rounds > 1:
         raise ConfigError(f"strategy {settings.strategy!r} is one-shot: set num-rounds=1")
     results["rounds"] = rounds = []
@@ -275,17 +220,6 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     results["test"] = {k.removeprefix("test_"): v for k, v in rounds[-1].items() if k != "round"}
     if context.val is not None:
         results["val"] = evaluate(strategy.predictor, context.val.x, context.val.y, device)
-    results["num_members"] = [u.num_members for u in strategy.uploads]
-    results["clients"] = client_table(strategy.uploads)
-    if local_data:  # what the devices present reported of their own data
-        results["partition"].update(
-            clients=[c["client_id"] for c in results["clients"]],
-            sizes=[c["num_examples"] for c in results["clients"]],
-            histogram=[c["class_histogram"] for c in results["clients"]])
-    results["excluded"] = strategy.exclusions
-    results["strategy_report"] = strategy.report()
-    results["cost"] = inference_and_traffic(strategy, results["strategy_report"],
-                                            settings.num_rounds)
     teacher = strategy.distill_teacher
     if teacher is not None:  # distill: the one network and the predictor it came from
         start = time.perf_counter()
@@ -293,31 +227,17 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
             teacher, bundle.test.x, bundle.test.y, device, settings.eval_batch_size),
             results["test"])
         eval_seconds[0] += time.perf_counter() - start
-    # robust aggregation (fedfusion.core.screening): the claims every strategy weighted
-    # by less than claimed, what could not be screened, and the fused model against chance
-    results["capped_claims"] = strategy.capped_claims
-    weighted = {r["client_id"]: r["capped_to"] for r in strategy.capped_claims}
-    for row in results["clients"]:  # num_examples is the claim; this is what counted
-        if row["client_id"] in weighted:
-            row["num_examples_weighted"] = weighted[row["client_id"]]
-    results["screening"] = {"screen_factor": strategy.screen_factor,
-                            "curvature_screen_factor": strategy.curvature_screen_factor,
-                            "val_screen": strategy.val_screen,
-                            "num_examples_cap": strategy.num_examples_cap,
-                            "notes": strategy.screen_notes}
-    results["chance"] = strategy.chance
-    results["at_chance"] = None if strategy.chance is None else strategy.chance["at_chance"]
-    # the BatchNorm-statistics rule in force, as in the strategy's report
-    results["norm_stats"] = results["strategy_report"]["norm_stats"]
-    train_times = [c["train_time_s"] for c in results["clients"]]
-    results["timing"] = {
-        "client_train_s_sum": float(np.sum(train_times)),
-        "client_train_s_max": float(np.max(train_times)) if train_times else 0.0,
-        "client_stats_s_sum": float(np.sum([c["stats_time_s"] for c in results["clients"]])),
-        "client_round_s": strategy.client_round_seconds,
-        "server_fuse_s": strategy.fuse_seconds,
-        "server_eval_s": eval_seconds[0],
-    }
+    # the strategy's own account: clients, exclusions, its report, cost, robust aggregation
+    # (fedfusion.core.screening), the fused model against chance, its timing
+    diagnostics = strategy.diagnostics(settings.num_rounds)
+    timing = diagnostics.pop("timing")
+    results.update(diagnostics)
+    results["timing"] = {**timing, "server_eval_s": eval_seconds[0]}
+    if local_data:  # what the devices present reported of their own data
+        results["partition"].update(
+            clients=[c["client_id"] for c in results["clients"]],
+            sizes=[c["num_examples"] for c in results["clients"]],
+            histogram=[c["class_histogram"] for c in results["clients"]])
     # a local-data run used no split: its devices' own files (results["partition"])
     results.update(strategy=strategy.name, dataset=settings.dataset, model=spec.name,
                    partitioner="local" if local_data else settings.partitioner,
@@ -340,154 +260,6 @@ def distill_results(report: dict[str, Any], teacher_test: dict[str, float],
             "teacher": {"test": teacher_test, "val": report.get("teacher_val")},
             "student": {"test": student_test, "val": report.get("student_val")},
             "trace": report.get("trace", [])}
-
-
-def inference_and_traffic(strategy: FusionStrategy, report: dict[str, Any],
-                          num_rounds: int = 1) -> dict[str, Any]:
-    """What the predictor costs per prediction and what the run cost per client: forward
-    passes (networks run per input), the rounds, and the bytes a client receives (the M
-    models of every round, plus FENS' aggregator rounds) and sends (every round, the
-    sections and members this strategy uses; a replay's uploads may carry more for other
-    strategies)."""
-    predictor = strategy.predictor
-    model_bytes = _model_bytes(strategy)
-    used = [u.members[:1] if strategy.member_fusion == "first" else u.members
-            for u in strategy.uploads]
-    up = [sum(a.nbytes for m in members for section in strategy.required_sections
-              for a in m.get(section, {}).values()) for members in used]
-    return {
-        "forward_passes": len(predictor.members) if isinstance(predictor, Ensemble) else 1,
-        "rounds": int(report.get("rounds", num_rounds)),
-        "download_bytes_per_client": num_rounds * strategy.num_members * model_bytes
-        + report.get("aggregator_download_bytes_per_client", 0.0),
-        "upload_bytes_per_client": num_rounds * (float(np.mean(up)) if up else 0.0)
-        + report.get("aggregator_upload_bytes_per_client", 0.0),
-    }
-
-
-def _model_bytes(strategy: FusionStrategy) -> int:
-    """Bytes of one broadcast model (the server's architecture, its wire arrays)."""
-    return sum(a.nbytes for a in state_arrays(strategy.context.model_spec.build()).values())
-
-
-def client_table(uploads: Sequence[ClientUpload]) -> list[dict[str, Any]]:
-    return [{
-        "client_id": u.client_id,
-        # who the server knew it as: the Flower node, the id it claimed (a label where the
-        # server decided client_id from the node) and how client_id was decided
-        "node_id": u.node_id,
-        "claimed_client_id": u.claimed_client_id,
-        "client_id_source": u.client_id_source,
-        "num_examples": u.num_examples,
-        "num_members": u.num_members,
-        "model": u.model,
-        # where it trained and built its upload ("cpu", "cuda:<i>"; None: not reported)
-        "device": device_label(u.metrics.get(DEVICE_METRIC)),
-        "class_histogram": u.metrics.get("class-histogram"),
-        "train_time_s": float(u.metrics.get("train-time-s", 0.0)),
-        "stats_time_s": float(u.metrics.get("stats-time-s", 0.0)),
-        # the client's data loading, and its whole handling of the train message
-        "load_time_s": float(u.metrics.get("load-time-s", 0.0)),
-        "client_time_s": float(u.metrics.get("client-time-s", 0.0)),
-        "section_time_s": {k.removeprefix("time-s/"): float(v) for k, v in u.metrics.items()
-                           if k.startswith("time-s/")},
-        "upload_mb": u.nbytes / 1e6,
-        # members trained with the contrastive term (absent when it was off)
-        **({"contrastive_members": int(u.metrics["contrastive-members"])}
-           if "contrastive-members" in u.metrics else {}),
-    } for u in uploads]
-
-
-def print_summary(results: dict[str, Any]) -> None:
-    s = results["settings"]
-    test = results.get("test", {})
-    timing = results.get("timing", {})
-    excluded = results.get("excluded") or []
-    lines = [
-        "=" * 64,
-        f"fedfusion {results['status'].upper()}"
-        + (" (AT CHANCE)" if results.get("at_chance") else "") + f": strategy {s['strategy']}, "
-        f"{(results.get('cost') or {}).get('rounds', s['num-rounds'])} round(s)"
-        + (" (replay)" if s.get("replay") else ""),
-        f"  data     {s['dataset']}, "
-        + ("each device's own data (client-data='local')" if s.get("client-data") == "local"
-           else f"partition file {Path(s['partition-file']).name}"
-           + (f" [{s['partition-key']}]" if s.get("partition-key") else "")
-           if s.get("partition-file") else f"{s['partitioner']} alpha={s['alpha']:g}")
-        + f", {clients_line(results)}, seed {s['seed']}",
-    ]
-    cost = results.get("cost")
-    if cost:
-        up, down = cost["upload_bytes_per_client"] / 1e6, cost["download_bytes_per_client"] / 1e6
-        lines.append(f"  cost     {cost['forward_passes']} forward pass(es) per prediction | "
-                     f"{cost['rounds']} round(s) | per client {up:.2f} MB up, {down:.2f} MB "
-                     "down")
-    blocks = (results.get("strategy_report") or {}).get("curvature_blocks")
-    if blocks:  # which parameter got a Kron / diagonal / dense block
-        lines.append("  blocks   " + " | ".join(
-            f"{kind} {len(names)}" + ("" if kind == "kron" else " (" + ", ".join(names[:3])
-                                      + (", ..." if len(names) > 3 else "") + ")")
-            for kind, names in blocks.items() if names))
-    if test:
-        lines.append(f"  test     accuracy {100 * test['accuracy']:.2f}%   NLL {test['nll']:.4f}"
-                     f"   ECE {test['ece']:.4f}")
-    if "val" in results:
-        lines.append(f"  val      accuracy {100 * results['val']['accuracy']:.2f}%")
-    distill = results.get("distill")
-    if distill:  # the test line above is the student's; both side by side
-        for who in ("teacher", "student"):
-            metrics = distill[who]["test"]
-            lines.append(f"  {who:<8} test accuracy {100 * metrics['accuracy']:.2f}%   NLL "
-                         f"{metrics['nll']:.4f}" + (" (the fused predictor)" if who == "teacher"
-                                                   else f" (one network, distill="
-                                                   f"{distill['mode']!r})"))
-    if results.get("at_chance"):
-        chance = results["chance"]
-        lines.append(f"  WARNING  the fused model is at chance on the validation data: accuracy "
-                     f"{100 * chance['accuracy']:.2f}% <= chance {100 * chance['chance']:.2f}% "
-                     f"+ margin {100 * chance['margin']:.2f}%")
-    norm = results.get("norm_stats")
-    if norm:
-        lines.append(f"  norm     BatchNorm statistics {norm['rule']!r} ({norm['reason']}): "
-                     f"{norm['recalibrated_layers']} of {norm['running_stat_layers']} layer(s) "
-                     "re-estimated")
-    lines += [f"  capped   {capped_reason(r)}" for r in results.get("capped_claims") or []]
-    if "client_train_s_sum" in timing:
-        lines.append(f"  time     wall {timing['wall_s']:.1f} s | client training "
-                     f"{timing['client_train_s_sum']:.1f} s (sum) | server fuse "
-                     f"{timing['server_fuse_s']:.2f} s + eval {timing['server_eval_s']:.2f} s")
-    lines.append(f"  excluded {len(excluded)}" + "".join(
-        f"\n    - client {e['client']}: {e['reason']}" for e in excluded))
-    if results["status"] == "failed":
-        lines.append(f"  error    {results.get('error')}")
-    lines += [f"  results  {results['output_dir']}/results.json", "=" * 64]
-    print("\n".join(lines), flush=True)
-
-
-def clients_line(results: dict[str, Any]) -> str:
-    """"N clients", or for a replay of some of them "K of N clients replayed (...)"."""
-    s = results["settings"]
-    fused = len(results.get("clients") or [])
-    if s.get("replay") and results.get("clients") is not None and fused != s["num-clients"]:
-        kept = f", replay-clients={s['replay-clients']}" if s.get("replay-clients") else ""
-        return f"{fused} of {s['num-clients']} clients replayed{kept}"
-    return f"{s['num-clients']} clients"
-
-
-def strict_json(value: Any) -> Any:
-    """``value`` as strict JSON data: numpy scalars and arrays as numbers and lists, NaN and
-    Inf as null (a bare NaN is not JSON), anything else unknown as its string."""
-    if isinstance(value, dict):
-        return {str(k): strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    if isinstance(value, np.ndarray | np.generic):
-        return strict_json(value.tolist())
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, str | int | bool):
-        return value
-    return str(value)
 
 
 @app.main()

@@ -61,10 +61,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedfusion.app.launch import (  # noqa: E402
-    _toml_item,
     absolute_paths,
     free_port,
     run_config_value,
+    toml_item,
 )
 
 #: the hosts every server certificate of :func:`main`'s ``tls`` is valid for
@@ -215,7 +215,7 @@ def plan_run(run_config: str, num_clients: int | None, output_dir: Path, run_nam
     num_clients = 3 if num_clients is None else num_clients
     name = (run_config_value(run_config, "run-name") or "").strip("'\"") or run_name
     paths = absolute_paths(run_config, output_dir)
-    items = [_toml_item(item) for item in items if item.partition("=")[0] not in (
+    items = [toml_item(item) for item in items if item.partition("=")[0] not in (
         "num-clients", "run-name", *paths)]
     items += [f"num-clients={num_clients}", f"run-name='{name}'"]
     items += [f"{key}='{value}'" for key, value in paths.items()]

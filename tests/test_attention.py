@@ -289,8 +289,8 @@ def test_zoo_transformers_kron_blocks_are_the_layouts_and_pass_the_server(name, 
 def test_curvature_blocks_per_structure_and_the_summary_line(capsys):
     """Which parameter gets which block, from the server's layout alone, and the summary's
     ``blocks`` line built from a strategy report."""
+    from fedfusion.app.summary import print_summary
     from fedfusion.curvature import curvature_blocks
-    from fedfusion.server_app import print_summary
 
     layout = ModelSpec("vit", (1, 28, 28), 10, {"dim": 8, "heads": 2, "layers": 1}
                        ).param_shapes()

@@ -12,12 +12,14 @@ import torch
 from conftest import InProcessGrid, initial_models
 from torch import nn
 
+from fedfusion.app.client_round import run_client
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.client import make_upload
-from fedfusion.client_app import run_client, settings_for_node
+from fedfusion.client_app import settings_for_node
 from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.diagnostics import client_table
 from fedfusion.device import DEVICE_METRIC, client_device, device_label, device_metric
-from fedfusion.server_app import client_table, run_server
+from fedfusion.server_app import run_server
 from fedfusion.wire import decode_upload, encode_upload
 
 LENET = ModelSpec("lenet", (1, 28, 28), 10)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import SmallCNN, initial_models
 
+from fedfusion.app.client_round import member_seed
 from fedfusion.app.config import (
     DATA_KEYS,
     FUSION_KEYS,
@@ -23,8 +24,8 @@ from fedfusion.app.config import (
 )
 from fedfusion.app.federation import federated_split
 from fedfusion.app.knobs import GROUPS
+from fedfusion.app.local_objective import LocalObjective
 from fedfusion.app.reference import BEGIN, END, key_table, pyproject_mismatches, with_key_table
-from fedfusion.client_app import LocalObjective, member_seed
 from fedfusion.core.predictors import ModelSpec
 from fedfusion.distillation import DistillOptions
 from fedfusion.strategies import STRATEGIES, FedAvg, FedProx

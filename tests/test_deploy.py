@@ -53,7 +53,8 @@ from deploy_tools import (
 from deploy_tools import main as deploy_tools_main
 from test_deploy_doc import shell_blocks
 
-from fedfusion.app.launch import is_running, launch
+from fedfusion.app.launch import launch
+from fedfusion.app.processes import is_running
 from fedfusion.datasets import write_partition_file
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)

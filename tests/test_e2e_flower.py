@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 
-from fedfusion.app.launch import ProcessTracker, launch
+from fedfusion.app.launch import launch
+from fedfusion.app.processes import ProcessTracker
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 

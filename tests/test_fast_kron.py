@@ -92,7 +92,7 @@ def test_a_kron_client_never_imports_laplace_torch() -> None:
     script = (
         "import sys\n"
         "from fedfusion.app.config import Settings\n"
-        "from fedfusion.client_app import run_client\n"
+        "from fedfusion.app.client_round import run_client\n"
         "settings = Settings(num_clients=2, train_subset=400, local_epochs=1, num_members=2,\n"
         "                    val_size=100)\n"
         "upload = run_client(settings, 0, [], sections=('weights', 'curvature.kron'))\n"

@@ -18,11 +18,11 @@ import torch
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
+from fedfusion.app.output import output_folder
 from fedfusion.core.architecture import ModelSpec
 from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf
-from fedfusion.server_app import output_folder
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,9 +37,9 @@ from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_head
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
+from fedfusion.app.output import output_folder
 from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.flower.identity import RegistryError, check_client_registry, read_client_registry
-from fedfusion.server_app import output_folder
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (
     META_KEY,

@@ -15,13 +15,9 @@ from conftest import FLOWER_PROCESSES
 from flwr.cli.build import build_fab_from_disk
 
 from fedfusion.app import launch as launch_module
-from fedfusion.app.launch import (
-    APP_DIR,
-    command_line,
-    launch,
-    processes_with_env,
-    stage_app,
-)
+from fedfusion.app.launch import APP_DIR, launch
+from fedfusion.app.processes import command_line, processes_with_env
+from fedfusion.app.staging import stage_app
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 

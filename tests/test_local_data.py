@@ -22,8 +22,9 @@ from conftest import InProcessGrid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedfusion.app.client_data import training_data
 from fedfusion.app.config import ConfigError, Settings
-from fedfusion.client_app import node_client_id, training_data
+from fedfusion.client_app import node_client_id
 from fedfusion.datasets import LocalDataError, read_local_data, write_local_data
 from fedfusion.datasets.loading import load_raw
 

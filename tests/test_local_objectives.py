@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid, initial_models
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
+from fedfusion.app.client_round import handle_train, run_client
 from fedfusion.app.config import Settings, build_strategy
-from fedfusion.client_app import LocalObjective, handle_train, previous_key, run_client
+from fedfusion.app.local_objective import LocalObjective, previous_key
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.predictors import ModelSpec, load_predictor
@@ -124,7 +125,11 @@ def test_contrastive_term_uses_the_representation_before_the_last_linear():
 def _trained(objective: LocalObjective, previous: list, small_settings) -> dict:
     settings = small_settings.replace(local_epochs=1, train_subset=600)
     inits = initial_models(ModelSpec("lenet", (1, 28, 28), 10), 1, settings.seed)
-    return run_client(settings, 0, inits, objective=objective, previous=previous).weights(0)
+    config = {key: getattr(objective, name) for key, name in LocalObjective.KEYS.items()}
+    state = RecordDict({previous_key(m): ArrayRecord({k: Array(np.ascontiguousarray(v))
+                                                      for k, v in model.items()})
+                        for m, model in enumerate(previous)})
+    return run_client(settings, 0, inits, server_config=config, state=state).weights(0)
 
 
 def test_contrastive_weight_zero_is_bit_identical_to_plain_training(small_settings):
@@ -154,14 +159,17 @@ def test_the_previous_local_model_is_kept_in_the_node_state(small_settings):
     content = RecordDict({"arrays": encode_models(initial_models(spec, 1, 0)),
                           "config": ConfigRecord({"server-round": 1, "sections": ["weights"],
                                                   "contrastive-weight": 1.0})})
+    msg = Message(content=content, dst_node_id=101, message_type=MessageType.TRAIN)
     context = FusionContext(spec)
-    first = decode_upload(handle_train(settings, 1, content, state), 1, context.param_shapes)
+    first = decode_upload(handle_train(settings, 1, msg, state).content, 1,
+                          context.param_shapes)
     assert first.metrics["contrastive-members"] == 0
     assert isinstance(state[previous_key(0)], ArrayRecord)
     kept = {k: v.numpy() for k, v in state[previous_key(0)].items()}
     assert all(np.array_equal(kept[k], first.weights(0)[k]) for k in kept)
     content["config"]["server-round"] = 2
-    second = decode_upload(handle_train(settings, 1, content, state), 1, context.param_shapes)
+    second = decode_upload(handle_train(settings, 1, msg, state).content, 1,
+                           context.param_shapes)
     assert second.metrics["contrastive-members"] == 1
 
 

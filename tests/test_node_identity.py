@@ -21,6 +21,7 @@ from flwr.app import ConfigRecord, Message
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.diagnostics import client_table
 from fedfusion.flower.identity import (
     MAX_REGISTRY_BYTES,
     SERVER_ID_BASE,
@@ -28,7 +29,6 @@ from fedfusion.flower.identity import (
     RegistryError,
     read_client_registry,
 )
-from fedfusion.server_app import client_table
 from fedfusion.strategies import FedAvg
 from fedfusion.upload_store import load_uploads, save_uploads
 from fedfusion.wire import encode_models, encode_upload

@@ -16,7 +16,7 @@ import pytest
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.launch import launch
-from fedfusion.server_app import output_folder
+from fedfusion.app.output import output_folder
 
 HOSTILE_NAMES = {  # the run-name, the refusal
     "parent escape": ("../escaped", "holds '..'"),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import FLOWER_PROCESSES, LAUNCH_TIMEOUT_S
 
-from fedfusion.app.launch import ProcessTracker, free_port, launch
+from fedfusion.app.launch import free_port, launch
+from fedfusion.app.processes import ProcessTracker
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 

@@ -143,18 +143,40 @@ class NaNNet(FloatNet):
 def test_the_builtin_client_refuses_before_its_first_training_step(monkeypatch, tmp_path):
     """fedfusion's own ClientApp: PFNM's requirement in the train config, a LeNet: refused
     before train_members is called."""
-    from fedfusion import client_app
+    from fedfusion.app import client_round
     from fedfusion.app.config import Settings
 
     calls: list[int] = []
-    monkeypatch.setattr(client_app, "train_members", lambda *a, **k: calls.append(1) or [])
+    monkeypatch.setattr(client_round, "train_members", lambda *a, **k: calls.append(1) or [])
     settings = Settings(num_clients=2, train_subset=200, local_epochs=1, val_size=50,
                         output_dir=str(tmp_path))
     with pytest.raises(ModelRefused, match=r"pfnm matches MLPs only.*module 'features.0' "
                                            r"\(Conv2d\).*FedAvg \('fedavg'\)"):
-        client_app.run_client(settings, 0, [], server_config={
+        client_round.run_client(settings, 0, [], server_config={
             STRATEGY_KEY: "pfnm", REQUIREMENTS_KEY: ["mlp"]})
     assert calls == []
+
+
+def test_the_builtin_client_refuses_a_broadcast_that_does_not_fit_its_network(tmp_path):
+    """The train config names the node's own architecture (LeNet) but the arrays are an
+    MLP's: the App's client refuses them (fedfusion.client.initial_models) rather than
+    training fresh inits; a broadcast that names another architecture than the node's
+    (per-client architectures) leaves the node to train its own, seeded."""
+    from fedfusion.app import client_round
+    from fedfusion.app.config import Settings
+    from fedfusion.strategies import FedAvg
+
+    settings = Settings(num_clients=2, train_subset=200, local_epochs=1, val_size=50,
+                        output_dir=str(tmp_path))
+    mlp = FedAvg(ModelSpec("mlp", (1, 28, 28), 10), num_members=1).initial_models()
+    with pytest.raises(ValueError, match="the server's member 0 does not fit"):
+        client_round.run_client(settings, 0, mlp, server_config={"model": "lenet",
+                                                                  "model-kwargs": "{}"})
+    own = client_round.run_client(settings, 0, mlp, server_config={"model": "mlp",
+                                                                    "model-kwargs": "{}"})
+    again = client_round.run_client(settings, 0, [], server_config={})
+    assert own.model == "lenet" and own.weights(0).keys() != mlp[0].keys()
+    assert all((own.weights(0)[k] == again.weights(0)[k]).all() for k in own.weights(0))
 
 
 @pytest.mark.parametrize(("model_fn", "problem"), [
@@ -335,7 +357,7 @@ def test_an_embedding_that_does_not_read_the_input_is_no_token_model():
 
 def test_the_summary_prints_the_norm_rule(capsys, digits, bn_uploads):
     """results.json's norm_stats is the report's; the printed summary says it."""
-    from fedfusion.server_app import print_summary
+    from fedfusion.app.summary import print_summary
 
     fuser = FedAvg(TokenNet, val=digits["val"])
     fuser.fuse_uploads(bn_uploads["good"])

@@ -30,12 +30,11 @@ def test_the_clientapp_trains_the_mapped_client_with_its_own_settings(
                                       largest_client_first=largest_first)
     calls = []
 
-    def fake_handle_train(node_settings, client, content, state):
+    def fake_handle_train(node_settings, client, msg, state):
         calls.append((node_settings.model, client))
-        return content
+        return msg
 
     monkeypatch.setattr(client_app, "handle_train", fake_handle_train)
-    monkeypatch.setattr(client_app, "Message", lambda content, reply_to: content)
     for node in range(3):
         context = Context(run_id=1, node_id=node, node_config={"partition-id": node},
                           state=RecordDict(), run_config=settings.to_mapping())

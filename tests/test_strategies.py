@@ -41,6 +41,35 @@ def test_ensemble_holds_every_member_of_every_client():
     assert torch.allclose(predictor(x).exp(), expected, atol=1e-6)
 
 
+def test_diagnostics_are_the_results_json_keys_as_plain_data():
+    """Without Flower: what fuse_uploads leaves is one JSON value, each client's row from
+    its upload, a capped claim marked in its row, the cost from the sections fused."""
+    import json
+
+    uploads = [make_upload(i, members=2, seed=i) for i in range(4)]
+    uploads[3].num_examples = 10**6  # far above the others' median: capped
+    uploads[3].metrics["class-histogram"] = [10**6] + [0] * 9
+    strategy = FedAvg(SPEC, num_clients=4, num_members=2)  # broadcasts 2, fuses member 0
+    strategy.fuse_uploads(uploads)
+    diagnostics = json.loads(json.dumps(strategy.diagnostics(), allow_nan=False))
+    assert set(diagnostics) == {"num_members", "clients", "excluded", "strategy_report",
+                                "cost", "capped_claims", "screening", "chance", "at_chance",
+                                "norm_stats", "timing"}
+    assert diagnostics["num_members"] == [2, 2, 2, 2]
+    rows = diagnostics["clients"]
+    assert [r["client_id"] for r in rows] == [0, 1, 2, 3]
+    assert [r["num_examples"] for r in rows] == [u.num_examples for u in uploads]
+    (capped,) = diagnostics["capped_claims"]
+    assert capped["client_id"] == 3 and rows[3]["num_examples_weighted"] == capped["capped_to"]
+    assert all("num_examples_weighted" not in r for r in rows[:3])
+    member_bytes = sum(a.nbytes for a in uploads[0].weights(0).values())
+    assert diagnostics["cost"]["upload_bytes_per_client"] == member_bytes  # member 0 only
+    assert diagnostics["cost"]["download_bytes_per_client"] == 2 * member_bytes
+    assert diagnostics["norm_stats"] == diagnostics["strategy_report"]["norm_stats"]
+    assert diagnostics["chance"] is None and diagnostics["at_chance"] is None  # no val
+    assert diagnostics["timing"]["server_fuse_s"] > 0
+
+
 def _nan_for_client(bad: int):
     def tamper(client: int, reply: Message) -> Message:
         if client == bad:
@@ -144,7 +173,7 @@ def test_non_finite_results_are_errors_and_results_json_stays_strict():
 
     import torch
 
-    from fedfusion.server_app import strict_json
+    from fedfusion.app.output import strict_json
 
     class NaNFedAvg(FedAvg):
         name = "nan-fedavg"

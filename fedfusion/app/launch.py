@@ -7,8 +7,8 @@ detached local SuperLink that outlives the run; ``flwr run`` also exits 0 when t
 fails. This launcher makes a run self-contained:
 
 * a private ``FLWR_HOME`` and free ports, so it never reuses a stale SuperLink;
-* ``flwr run`` reads a copy of the App's files (:func:`stage_app`), not the checkout with
-  its ``.venv``;
+* ``flwr run`` reads a copy of the App's files
+  (:func:`fedfusion.app.staging.stage_app`), not the checkout with its ``.venv``;
 * ``largest-client-first=true`` where the App has that key and the run config does not set
   it (:func:`fedfusion.app.federation.client_for_partition`);
 * ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (the environment is already set up) and
@@ -18,7 +18,8 @@ fails. This launcher makes a run self-contained:
 * the SuperLink and everything it started are stopped afterwards, and also when the launcher
   is interrupted (Ctrl-C, SIGTERM) or times out: the run is stopped on the SuperLink
   (``flwr stop``), then every process the launch started is terminated
-  (:class:`ProcessTracker`, :func:`stop_launch`), so none is left behind;
+  (:class:`fedfusion.app.processes.ProcessTracker`, :func:`stop_launch`), so none is left
+  behind;
 * success is read from ``<output-dir>/<run-name>/results.json``; exit 1 if it is not "ok"
   (a file still saying "running", its ServerApp killed, is rewritten as failed first).
 """
@@ -44,6 +45,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fedfusion.app.paths import output_name_error
+from fedfusion.app.processes import (
+    ProcessTracker,
+    processes_with_env,
+    stop_process_trees,
+    stop_superlink,
+)
+from fedfusion.app.staging import stage_app
 
 APP_DIR = Path(__file__).resolve().parents[2]
 
@@ -52,188 +60,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...), or None
-    when the process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _parents() -> dict[int, int]:
-    """Every process's parent, read in one pass over ``/proc``."""
-    parents = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat(entry.name)
-        if fields is not None:
-            parents[int(entry.name)] = int(fields[1])
-    return parents
-
-
-def _children(pid: int) -> list[int]:
-    return [child for child, parent in _parents().items() if parent == pid]
-
-
-def _process_tree(pid: int, parents: dict[int, int] | None = None) -> list[int]:
-    """``pid`` and its descendants (``parents`` from :func:`_parents`, read once)."""
-    parents = _parents() if parents is None else parents
-    kids: dict[int, list[int]] = {}
-    for child, parent in parents.items():
-        kids.setdefault(parent, []).append(child)
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += kids.get(current, [])
-    return tree
-
-
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot): with the pid, the identity of a process
-    (a pid alone may be reused once its process exits)."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields is not None else None
-
-
-def command_line(pid: int) -> str:
-    """``pid``'s command line, its arguments joined by spaces ("" when it is gone)."""
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return ""
-    return " ".join(a.decode(errors="replace") for a in args if a)[:300]
-
-
-def processes_with_env(key: str, value: str) -> list[int]:
-    """The processes (of this user) whose environment holds ``key=value``. Every process a
-    launch starts inherits the launch's private ``FLWR_HOME``, including those whose parent
-    exited before they could be found in a process tree."""
-    wanted = f"{key}={value}".encode()
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if wanted in environ.split(b"\0") and is_running(int(entry.name)):
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-class ProcessTracker:
-    """The processes a launch started, recorded while they run.
-
-    :meth:`watch` adds, every ``interval`` seconds, the process trees under the given roots
-    and under every process seen before (a SuperLink outlives the ``flwr run`` that started
-    it, and is re-parented when that exits). :attr:`processes` maps each pid to its start
-    time and command line, so :meth:`alive` never mistakes a reused pid for one of them.
-    Pass one to :func:`launch` to learn which processes it started."""
-
-    def __init__(self) -> None:
-        #: pid -> (start time in clock ticks, command line)
-        self.processes: dict[int, tuple[int, str]] = {}
-        #: the Flower run id, once ``flwr run`` has printed it (:func:`run_flwr`)
-        self.run_id: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def add_trees(self, roots: list[int]) -> None:
-        """Record the processes of the trees under ``roots`` and under every live process
-        recorded before."""
-        parents = _parents()
-        with self._lock:
-            known = [pid for pid in self.processes if self._same(pid)]
-        for root in {*roots, *known}:
-            for pid in _process_tree(root, parents):
-                started = start_time(pid)
-                if started is None:
-                    continue
-                with self._lock:
-                    if self.processes.get(pid, (None,))[0] != started:
-                        self.processes[pid] = (started, command_line(pid))
-
-    def _same(self, pid: int) -> bool:
-        recorded = self.processes.get(pid)
-        return recorded is not None and is_running(pid) and start_time(pid) == recorded[0]
-
-    def alive(self) -> list[int]:
-        """The recorded processes that still run (the same processes, not reused pids)."""
-        with self._lock:
-            pids = list(self.processes)
-        return sorted(pid for pid in pids if self._same(pid))
-
-    def commands(self) -> list[str]:
-        with self._lock:
-            return [command for _, command in self.processes.values()]
-
-    def watch(self, roots: list[int], interval: float = 1.0) -> None:
-        """Record the trees under ``roots`` now and then every ``interval`` s until
-        :meth:`stop_watching`."""
-        self.add_trees(roots)
-
-        def loop() -> None:
-            while not self._stop.wait(interval):
-                self.add_trees(roots)
-
-        self._stop.clear()
-        self._thread = threading.Thread(target=loop, name="fedfusion-process-tracker",
-                                        daemon=True)
-        self._thread.start()
-
-    def stop_watching(self, timeout: float = 10.0) -> None:
-        """Stop the watcher, waiting at most ``timeout`` s: a read of ``/proc/<pid>/cmdline``
-        can block while that process tears down a large address space, and the watcher is
-        a daemon thread, so the caller goes on without it rather than wait for it."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                print(f"fedfusion.app.launch: the process watcher did not stop within "
-                      f"{timeout:.0f} s; going on without it", file=sys.stderr, flush=True)
-            self._thread = None
-
-
-def stop_superlink(port: int) -> int:
-    """Stop the SuperLink listening on ``port`` and its whole process tree."""
-    roots = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(b"flower-superlink" in a for a in args[:2]) and str(port).encode() in args:
-            roots.append(int(cmdline.parent.name))
-    stop_process_trees(roots)
-    return len(roots)
-
-
-def stop_process_trees(roots: list[int], grace_s: float = 2.0) -> None:
-    """SIGTERM every process in the trees under ``roots``, SIGKILL those still running after
-    ``grace_s``. The trees are read first: a stopped parent's children are re-parented."""
-    parents = _parents()
-    victims = [p for root in roots for p in _process_tree(root, parents)]
-    deadline = time.monotonic() + grace_s
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in victims:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        while sig == signal.SIGTERM and time.monotonic() < deadline:
-            victims = [pid for pid in victims if is_running(pid)]
-            if not victims:
-                return
-            time.sleep(0.1)
-
-
-def is_running(pid: int) -> bool:
-    """Whether ``pid`` exists and has not exited (a zombie, not yet reaped, has)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 #: the simulation federation of an App whose pyproject.toml has no [tool.fedfusion.simulation]
@@ -253,39 +79,6 @@ def absolute_paths(run_config: str, output_dir: Path | str) -> dict[str, str]:
     given["output-dir"] = given["output-dir"] or str(output_dir)
     return {key: str(Path(value).expanduser().resolve()) for key, value in given.items()
             if value}
-
-
-def stage_app(app_dir: Path, into: Path) -> Path:
-    """Copy into ``into`` the App's files that ``flwr run`` may pack into its FAB: those of
-    the kinds a FAB holds (``.py``, ``.toml``, ``.md``, ...) that neither ``.gitignore`` nor
-    Flower's own exclusions (``.venv/``, ``__pycache__/``, ...) leave out, outside ``.git``;
-    folders so left out are not entered. Flower builds the FAB by walking and resolving
-    EVERY file under the App folder before it applies those rules: with the ``.venv`` inside
-    the checkout that is ~53,000 files and ~4 s per launch, against ~0.1 s for the ~100 files
-    staged here. Flower then filters the copy by the same rules, so the FAB (and its hash) is
-    the one it would have built from ``app_dir``."""
-    import pathspec
-    from flwr.supercore.constant import (
-        APP_PUBLISH_EXCLUDE_PATTERNS,
-        APP_PUBLISH_INCLUDE_PATTERNS,
-    )
-
-    gitignore = app_dir / ".gitignore"
-    ignored = pathspec.GitIgnoreSpec.from_lines(
-        [*APP_PUBLISH_EXCLUDE_PATTERNS,
-         *(gitignore.read_text().splitlines() if gitignore.is_file() else [])])
-    packed = pathspec.GitIgnoreSpec.from_lines(APP_PUBLISH_INCLUDE_PATTERNS)
-    for folder, subfolders, files in os.walk(app_dir):
-        relative = Path(folder).relative_to(app_dir)
-        subfolders[:] = [d for d in subfolders if d != ".git" and not ignored.match_file(
-            f"{(relative / d).as_posix()}/")]
-        for name in files:
-            source, path = Path(folder) / name, (relative / name).as_posix()
-            if source.is_symlink() or ignored.match_file(path) or not packed.match_file(path):
-                continue  # Flower skips symlinks too
-            (into / relative).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, into / relative / name)
-    return into
 
 
 def simulation_defaults(app_dir: Path) -> tuple[dict[str, object], dict[str, object]]:
@@ -330,7 +123,7 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
 
         raise ConfigError(refused)
     paths = absolute_paths(run_config, app_dir / "outputs")
-    items = [_toml_item(item) for item in shlex.split(run_config)
+    items = [toml_item(item) for item in shlex.split(run_config)
              if item.partition("=")[0] not in ("run-name", *paths)]
     items += [f"run-name='{run_name}'"] + [f"{key}='{value}'" for key, value in paths.items()]
     http_port, control_port = free_port(), free_port()
@@ -515,7 +308,7 @@ def _flwr_stop(run_id: int, env: dict[str, str], timeout: float = 30.0) -> None:
           flush=True)
 
 
-def _toml_item(item: str) -> str:
+def toml_item(item: str) -> str:
     """Quote a bare string value for Flower's TOML-typed --run-config parser."""
     key, _, value = item.partition("=")
     if value[:1] in ("'", '"') or value in ("true", "false"):

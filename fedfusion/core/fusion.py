@@ -34,6 +34,7 @@ from torch import nn
 
 from fedfusion.constraints import AT_LEAST_ONE, FINITE_NON_NEGATIVE, OFF_OR_AT_LEAST_ONE
 from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.diagnostics import client_table, client_timing, run_cost
 from fedfusion.core.evaluation import (
     Labelled,
     LabelledData,
@@ -543,6 +544,39 @@ class Fusion(ABC):
                                "running_stat_layers": self.running_stat_layers,
                                "recalibrated_layers": self.recalibrated_layers},
                 "model_check": self.model_check}
+
+    def diagnostics(self, num_rounds: int = 1) -> dict[str, Any]:
+        """What this strategy's last fusion reports, as plain data under the keys of
+        results.json (docs/results-format.md): ``num_members`` and ``clients`` (a row per
+        fused upload), ``excluded``, ``strategy_report`` (:meth:`report`), ``cost`` over
+        ``num_rounds`` rounds, ``capped_claims``, ``screening``, ``chance``, ``at_chance``,
+        ``norm_stats`` and ``timing`` (the clients' training and statistics seconds, the
+        server's fusion seconds)."""
+        report = self.report()
+        clients = client_table(self.uploads, self.capped_claims)
+        predictor = self.predictor
+        model_bytes = sum(a.nbytes for a in state_arrays(self.context.model_spec.build()).values())
+        return {
+            "num_members": [u.num_members for u in self.uploads],
+            "clients": clients,
+            "excluded": list(self.exclusions),
+            "strategy_report": report,
+            "cost": run_cost(
+                self.uploads, self.required_sections, self.member_fusion != "first",
+                len(predictor.members) if isinstance(predictor, Ensemble) else 1,
+                model_bytes, self.num_members, report, num_rounds),
+            "capped_claims": list(self.capped_claims),
+            "screening": {"screen_factor": self.screen_factor,
+                          "curvature_screen_factor": self.curvature_screen_factor,
+                          "val_screen": self.val_screen,
+                          "num_examples_cap": self.num_examples_cap,
+                          "notes": list(self.screen_notes)},
+            "chance": self.chance,
+            "at_chance": None if self.chance is None else self.chance["at_chance"],
+            # the BatchNorm-statistics rule in force, as in the report
+            "norm_stats": report["norm_stats"],
+            "timing": {**client_timing(clients), "server_fuse_s": self.fuse_seconds},
+        }
 
     def _declared_shapes(self, model: str, kwargs: dict[str, object]) -> ParamShapes:
         """Shapes of a client's declared architecture, refused before anything is built when

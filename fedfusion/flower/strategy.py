@@ -210,6 +210,13 @@ class FusionStrategy(Fusion, Strategy):
                             result.evaluate_metrics_clientapp,
                             result.evaluate_metrics_serverapp, predictor=self.predictor)
 
+    def diagnostics(self, num_rounds: int = 1) -> dict[str, Any]:
+        """:meth:`Fusion.diagnostics`, its ``timing`` with ``client_round_s``
+        (:attr:`client_round_seconds`)."""
+        diagnostics = super().diagnostics(num_rounds)
+        diagnostics["timing"]["client_round_s"] = self.client_round_seconds
+        return diagnostics
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
