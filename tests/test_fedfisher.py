@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import DIFFERS, client0_model, prediction_gap
-from test_fedbens import TINY, tiny_upload
+from helpers.tiny import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.curvature import curvature_from_arrays

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import InProcessGrid
 from flwr.app import ArrayRecord, Message
-from test_wire import SPEC, make_upload
+from helpers.uploads import SPEC, make_upload
 
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedAvg, UniformEnsemble

@@ -7,9 +7,9 @@ import torch
 import torchvision.datasets
 from conftest import InProcessGrid, initial_models
 from flwr.app import ConfigRecord, MetricRecord
+from helpers.fake_datasets import FakeCIFAR
+from helpers.uploads import SPEC, make_upload
 from scipy import stats
-from test_datasets import FakeCIFAR
-from test_wire import SPEC, make_upload
 from torch import nn
 from torch.nn import functional as F
 
