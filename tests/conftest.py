@@ -104,13 +104,14 @@ def prediction_gap(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> f
         return float((a(x).exp() - b(x).exp()).abs().max())
 
 
-def client0_model(spec, uploads) -> torch.nn.Module:
-    """The lowest client id's model(s), unfused, as one predictor: a stub's lazy answer."""
+def client0_model(spec, uploads, members: int | None = None) -> torch.nn.Module:
+    """The lowest client id's model(s), unfused, as one predictor: a stub's lazy answer. Its
+    first ``members`` models (all by default: 1 where the strategy fuses member 0 only)."""
     from fedfusion.predictors import Ensemble
 
     first = min(uploads, key=lambda u: u.client_id)
-    return Ensemble([spec.build(first.weights(m)) for m in range(first.num_members)],
-                    [spec] * first.num_members)
+    count = first.num_members if members is None else min(members, first.num_members)
+    return Ensemble([spec.build(first.weights(m)) for m in range(count)], [spec] * count)
 
 
 def label_skewed_fmnist(rows: int, val_size: int, test_rows: int

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from fedfusion import client
 from fedfusion.architecture import ModelSpec
+from fedfusion.normalization import recalibrate
 from fedfusion.strategies import STRATEGIES, FedAvg
 from fedfusion.strategies.otfusion import align, structure_of
 from fedfusion.wire import ClientUpload, decode_upload, encode_upload
@@ -129,15 +130,21 @@ def test_every_strategy_on_every_model_family(strategy, family, data, wire_uploa
     uploads, predictor, accuracy = fuse_and_score(fuser, wire_uploads[family], data["test"])
     x, y = data["test"]
     assert accuracy >= FLOOR, f"{strategy} on {family}: accuracy {accuracy:.3f}"
-    # not client 0's model(s) returned unfused
-    client0_gap = prediction_gap(predictor, client0_model(spec, uploads), x)
+    # not client 0's model(s) returned unfused (member 0 alone where only it is fused), with
+    # BatchNorm statistics re-estimated on the validation rows as the fusion's are
+    fused_members = 1 if fuser.member_fusion == "first" else None
+    client0 = client0_model(spec, uploads, fused_members)
+    if fuser.recalibrated_layers:
+        for member in client0.members:
+            recalibrate(member, data["val"][0])
+    client0_gap = prediction_gap(predictor, client0, x)
     assert client0_gap > DIFFERS, (strategy, family, client0_gap)
     # not a FedAvg in disguise: FedAvg of the same uploads (member 0, or every member index
     # where the strategy fuses them all) predicts otherwise, except where the strategy IS
     # FedAvg on the server, for OTFusion where no neuron moved (the members' common inits:
     # every family here; checked below on permuted uploads), and for DENSE where validation
     # kept the FedAvg student it starts from (bn_cnn: 3 iterations are a plumbing budget)
-    member_fusion = "first" if fuser.member_fusion == "first" else "each"
+    member_fusion = "first" if fused_members == 1 else "each"
     lazy = FedAvg(spec, val=data["val"], member_fusion=member_fusion)
     gap = prediction_gap(lazy.fuse_uploads(uploads), predictor, x)
     report = fuser.report()
