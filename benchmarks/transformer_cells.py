@@ -8,7 +8,7 @@ validation and 1,000 test rows; ``token_transformer`` on scikit-learn's digits a
 tokens (3 label-skewed clients, 300 validation and 500 test rows). 2 members per client, 5
 epochs of Adam (lr 3e-3); every section the clients can compute (weights always; the
 curvature and Gram sections optional, left out with the client's reason where they fail).
-The data helpers are the tests' (tests/conftest.py, tests/test_integer_inputs.py). One line
+The data helpers are the tests' (tests/conftest.py, tests/helpers/digits.py). One line
 per cell: FUSED with the test accuracy, the chance verdict and the norm rule; REFUSED with
 the message; NO SECTION where the clients could not compute what the strategy needs.
 """
@@ -19,7 +19,7 @@ import sys
 
 import torch
 from conftest import label_skewed_fmnist
-from test_integer_inputs import split_digits, train
+from helpers.digits import split_digits, train
 
 from fedfusion import client
 from fedfusion.core.architecture import ModelSpec

@@ -20,8 +20,8 @@ from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
 # wheel); the deployment tests import them from there
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-__all__ = ["FLOWER_PROCESSES", "LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun", "initial_models",
-           "label_skewed_fmnist", "sgd"]
+__all__ = ["DIFFERS", "FLOWER_PROCESSES", "LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun",
+           "client0_model", "initial_models", "label_skewed_fmnist", "prediction_gap", "sgd"]
 # (tests import them from here)
 
 #: limit of one `flwr run` launched by a test: a run here takes 10-60 s; a hung simulation
@@ -89,6 +89,29 @@ def initial_models(spec, num_members: int, seed: int) -> list:
     from fedfusion.strategies import FedAvg
 
     return FedAvg(spec, num_members=num_members, seed=seed).initial_models()
+
+
+#: the least a fusion that is meant to differ from a lazy answer (client 0's model, FedAvg, the
+#: ensemble of the same uploads) must differ by: the largest change of any class probability
+#: on the test inputs (:func:`prediction_gap`); float noise of one fusion is ~1e-6
+DIFFERS = 1e-3
+
+
+def prediction_gap(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> float:
+    """max |p_a(y|x) - p_b(y|x)| over the rows of ``x`` and the classes, for two predictors
+    that return log-probabilities: a difference in predictions, not only in weights."""
+    with torch.no_grad():
+        return float((a(x).exp() - b(x).exp()).abs().max())
+
+
+def client0_model(spec, uploads, members: int | None = None) -> torch.nn.Module:
+    """The lowest client id's model(s), unfused, as one predictor: a stub's lazy answer. Its
+    first ``members`` models (all by default: 1 where the strategy fuses member 0 only)."""
+    from fedfusion.core.predictors import Ensemble
+
+    first = min(uploads, key=lambda u: u.client_id)
+    count = first.num_members if members is None else min(members, first.num_members)
+    return Ensemble([spec.build(first.weights(m)) for m in range(count)], [spec] * count)
 
 
 def label_skewed_fmnist(rows: int, val_size: int, test_rows: int

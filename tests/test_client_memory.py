@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_real_models import BNNet, CustomNet, LNNet, _with_stats
+from helpers.user_models import BNNet, CustomNet, LNNet, with_stats
 from torch import nn
 
 from fedfusion import client
@@ -19,7 +19,7 @@ from fedfusion.curvature.hybrid import hybrid_kron_fit, pass_rows, row_bytes
 
 def _model_and_data(net: type[nn.Module], rows: int = 23) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(3)
-    model = _with_stats(net()) if net is BNNet else net().eval()
+    model = with_stats(net()) if net is BNNet else net().eval()
     x = torch.randn(rows, 8) if net is LNNet else torch.randn(rows, 1, 8, 8)
     return model, x
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_datasets import _write_mnist_folder
+from helpers.fake_datasets import write_mnist_folder
 
 from fedfusion.datasets import load_dataset, loading
 
@@ -37,7 +37,7 @@ def test_a_second_load_maps_the_cache_and_equals_a_fresh_load(
         tmp_path: Path, _private_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "mnist"
     data.mkdir()
-    _write_mnist_folder(data, compress=True)
+    write_mnist_folder(data, compress=True)
     first = load_dataset("mnist", data_dir=str(data), val_size=5, seed=3)
     entries = list(_private_cache.iterdir())
     assert len(entries) == 1 and (entries[0] / "train_x.npy").is_file()
@@ -60,7 +60,7 @@ def test_the_key_follows_the_holdout_and_the_source_files(
         tmp_path: Path, _private_cache: Path) -> None:
     data = tmp_path / "mnist"
     data.mkdir()
-    _write_mnist_folder(data, compress=False)
+    write_mnist_folder(data, compress=False)
     load_dataset("mnist", data_dir=str(data), val_size=5, seed=3)
     load_dataset("mnist", data_dir=str(data), val_size=6, seed=3)
     load_dataset("mnist", data_dir=str(data), val_size=5, seed=4)
@@ -80,7 +80,7 @@ def test_the_key_follows_the_holdout_and_the_source_files(
 def test_writes_to_a_loaded_tensor_stay_in_the_process(tmp_path: Path) -> None:
     data = tmp_path / "mnist"
     data.mkdir()
-    _write_mnist_folder(data, compress=True)
+    write_mnist_folder(data, compress=True)
     load_dataset("mnist", data_dir=str(data), val_size=5)
     load_dataset.cache_clear()
     mapped = load_dataset("mnist", data_dir=str(data), val_size=5)
@@ -93,7 +93,7 @@ def test_writes_to_a_loaded_tensor_stay_in_the_process(tmp_path: Path) -> None:
 def test_processes_building_the_cache_at_once_all_get_it(tmp_path: Path) -> None:
     data = tmp_path / "mnist"
     data.mkdir()
-    _write_mnist_folder(data, compress=True)
+    write_mnist_folder(data, compress=True)
     script = ("import sys, torch\n"
               "from fedfusion.datasets import load_dataset\n"
               f"b = load_dataset('mnist', data_dir={str(data)!r}, val_size=5)\n"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.datasets
+from helpers.fake_datasets import FakeCIFAR, channel_images, write_mnist_folder
 
 from fedfusion.datasets import (
     DATA_DIR_ENV,
@@ -126,33 +127,9 @@ def test_argument_errors() -> None:
 # --- IDX files from data_dir / FEDFUSION_DATA_DIR ----------------------------------
 
 
-def _write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
-    """Write a uint8 IDX file (magic 0x0000 08 ndim, big-endian int32 dims)."""
-    header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, dtype=">i4").tobytes()
-    payload = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
-    if compress:
-        path = path.with_name(path.name + ".gz")
-        path.write_bytes(gzip.compress(payload))
-    else:
-        path.write_bytes(payload)
-
-
-def _write_mnist_folder(folder: Path, compress: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(7)
-    splits = {"train": (40, "train"), "test": (12, "t10k")}
-    written = {}
-    for split, (count, prefix) in splits.items():
-        images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
-        labels = np.arange(count, dtype=np.uint8) % 10
-        _write_idx(folder / f"{prefix}-images-idx3-ubyte", images, compress)
-        _write_idx(folder / f"{prefix}-labels-idx1-ubyte", labels, compress)
-        written[split] = (images, labels)
-    return written
-
-
 @pytest.mark.parametrize("compress", [False, True])
 def test_mnist_from_data_dir_idx_files(tmp_path: Path, compress: bool) -> None:
-    written = _write_mnist_folder(tmp_path, compress)
+    written = write_mnist_folder(tmp_path, compress)
     bundle = load_dataset("mnist", data_dir=str(tmp_path), val_size=5, seed=3)
     assert (len(bundle.train), len(bundle.val), len(bundle.test)) == (35, 5, 12)
     images, labels = written["train"]
@@ -164,35 +141,13 @@ def test_mnist_from_data_dir_idx_files(tmp_path: Path, compress: bool) -> None:
 
 
 def test_data_dir_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _write_mnist_folder(tmp_path, compress=True)
+    write_mnist_folder(tmp_path, compress=True)
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
     bundle = load_dataset("mnist", val_size=0)
     assert len(bundle.train) == 40 and len(bundle.test) == 12
 
 
 # --- torchvision code paths with fakes of the real attribute layouts ----------------
-
-
-def _channel_images(rng: np.random.Generator, count: int, channels: int) -> np.ndarray:
-    """uint8 [N, C, 32, 32] with visibly different per-channel statistics."""
-    images = np.empty((count, channels, 32, 32), dtype=np.uint8)
-    for c in range(channels):
-        images[:, c] = rng.integers(20 * c, 256 - 60 * c, size=(count, 32, 32), dtype=np.uint8)
-    return images
-
-
-class FakeCIFAR:
-    """CIFAR10/100 layout: ``.data`` uint8 [N, 32, 32, 3], ``.targets`` list of int."""
-
-    num_classes = 10
-    calls: list[dict[str, Any]] = []
-
-    def __init__(self, root: str, train: bool = True, download: bool = False) -> None:
-        type(self).calls.append({"root": root, "train": train, "download": download})
-        rng = np.random.default_rng(0 if train else 1)
-        count = 3 * self.num_classes if train else self.num_classes
-        self.data = _channel_images(rng, count, 3).transpose(0, 2, 3, 1).copy()
-        self.targets = [int(v) for v in rng.permutation(np.arange(count) % self.num_classes)]
 
 
 class FakeCIFAR100(FakeCIFAR):
@@ -206,7 +161,7 @@ class FakeSVHN:
         assert split in ("train", "test") and download
         rng = np.random.default_rng(0 if split == "train" else 1)
         count = 50 if split == "train" else 20
-        self.data = _channel_images(rng, count, 3)
+        self.data = channel_images(rng, count, 3)
         self.labels = (np.arange(count) % 10).astype(np.int64)
 
 

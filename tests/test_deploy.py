@@ -51,7 +51,7 @@ from deploy_tools import (
     write_tls_files,
 )
 from deploy_tools import main as deploy_tools_main
-from test_deploy_doc import shell_blocks
+from helpers.doc_blocks import shell_blocks
 
 from fedfusion.app.launch import launch
 from fedfusion.app.processes import is_running

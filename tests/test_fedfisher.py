@@ -9,12 +9,14 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from test_fedbens import TINY, tiny_upload
+from conftest import DIFFERS, client0_model, prediction_gap
+from helpers.tiny import TINY, tiny_upload
 
 from fedfusion.app.config import Settings, build_strategy
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.state import weighted_average
 from fedfusion.curvature import curvature_from_arrays
+from fedfusion.strategies import FedAvg
 from fedfusion.strategies.fedfisher import FedFisher
 from fedfusion.strategies.fisher_merge import FisherMerge, fisher_merge
 from fedfusion.wire import ClientUpload
@@ -145,6 +147,21 @@ def test_identical_clients_give_that_client(structure):
     (member,) = predictor.members
     for name, value in member.state_dict().items():
         np.testing.assert_allclose(value.numpy(), base.weights(0)[name], atol=1e-6)
+    # beside a distinct client the result descends f (twins counted twice) below its FedAvg
+    # start, and predicts otherwise than client 0's model
+    other = tiny_upload(2, structure, seed=5)
+    uploads = [uploads[0], uploads[1], ClientUpload(2, other.model, other.model_kwargs, 150,
+                                                    other.members)]
+    strategy = FedFisher(TINY, num_clients=3, hessian_structure=structure, steps=100,
+                         eval_every=20)
+    predictor = strategy.fuse_uploads(uploads)
+    precisions, means, total = dense_problem(uploads, structure, strategy.damping)
+    fedavg = FedAvg(TINY, num_clients=3).fuse_uploads(uploads).members[0].state_dict()
+    f_fedavg = dense_objective(flat(fedavg), precisions, means, total)
+    f_fused = dense_objective(flat(predictor.members[0].state_dict()), precisions, means, total)
+    assert f_fused < 0.99 * f_fedavg, (f_fused, f_fedavg)
+    x = torch.randn(256, *TINY.input_shape, generator=torch.Generator().manual_seed(0))
+    assert prediction_gap(predictor, client0_model(TINY, uploads), x) > DIFFERS
 
 
 def test_each_member_index_is_its_own_fedfisher():

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.uploads import kron_upload
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
@@ -255,8 +256,6 @@ def test_hostile_partition_files_are_refused_in_bounded_memory(tmp_path):
 # ------------------------------------------------------------------ item 8: replay totals
 
 def _kron_folder(folder: Path, clients: int = 3) -> Path:
-    from test_hostile_uploads import kron_upload
-
     return save_uploads(folder, [kron_upload(c, weight=0.5, eigenvalue=1.0, seed=c)
                                  for c in range(clients)], {"strategy": "fedbens"})
 
@@ -351,8 +350,6 @@ def test_output_folder_refuses_links_to_anywhere(tmp_path, case):
 
 
 def test_writers_do_not_follow_links(tmp_path):
-    from test_hostile_uploads import kron_upload
-
     target = _outside(tmp_path)
     upload = kron_upload(0, weight=0.5, eigenvalue=1.0)
     (tmp_path / "uploads").symlink_to(target)

@@ -31,9 +31,11 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from hypothesis import HealthCheck, given, settings
+from helpers.fuzz import FUZZ
+from helpers.tiny import TINY
+from helpers.uploads import KRON, TINY_CONTEXT, kron_upload, npy_header
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hostile_uploads import KRON, TINY, TINY_CONTEXT, kron_upload, npy_header
 
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
@@ -52,8 +54,6 @@ from fedfusion.wire import (
     validate_upload,
 )
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CLIENT = "node 9"
 META_FIELDS = ["schema", "schema-version", "client-id", "model", "model-kwargs",
                "num-members", "sections"]

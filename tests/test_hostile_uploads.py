@@ -8,7 +8,6 @@ federations in which one client sends each hostile upload and the others finish 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import subprocess
 import sys
@@ -21,11 +20,21 @@ import pytest
 import torch
 from conftest import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from test_wire import CONTEXT, SPEC, _corrupt, _set_array, make_upload
+from helpers.tiny import TINY
+from helpers.uploads import (
+    CONTEXT,
+    KRON,
+    SPEC,
+    TINY_CONTEXT,
+    corrupt,
+    kron_upload,
+    make_upload,
+    npy_header,
+    set_array,
+)
 
 from fedfusion.app import replay
-from fedfusion.core.fusion import FusionContext
-from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
 from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_WEIGHT, SECTIONS
@@ -36,7 +45,6 @@ from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,
     METRICS_KEY,
-    ClientUpload,
     UploadError,
     UploadLimits,
     decode_upload,
@@ -47,11 +55,6 @@ from fedfusion.wire import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
-TINY_CONTEXT = FusionContext(TINY)
-KRON = ("weights", "curvature.kron")
-
-
 def _meta(content: RecordDict, **changes: object) -> None:
     """Edit the upload's ``fedfusion.meta`` record (keys with dashes: pass a dict)."""
     meta = dict(content[META_KEY])
@@ -61,31 +64,7 @@ def _meta(content: RecordDict, **changes: object) -> None:
 
 def _problem(edit) -> str:  # noqa: ANN001
     """The reason a lenet upload edited by ``edit`` is refused (naming client 'node 7')."""
-    return _corrupt(edit).value.problem
-
-
-def npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
-    """A bare ``.npy`` header declaring ``shape`` (and no data at all)."""
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buffer, {"descr": descr, "fortran_order": False, "shape": shape})
-    return buffer.getvalue()
-
-
-def kron_upload(client_id: int, weight: float, eigenvalue: float, seed: int = 0
-                ) -> ClientUpload:
-    """A tiny-MLP upload with weights ``+-weight`` and a Kron curvature whose every factor
-    eigenvalue is ``eigenvalue`` (random orthonormal eigenvectors)."""
-    rng = np.random.default_rng(seed)
-    shapes = TINY_CONTEXT.param_shapes(TINY.name, TINY.kwargs)
-    weights, kron = {}, {}
-    for name, shape in shapes.items():
-        weights[name] = (weight * np.sign(rng.standard_normal(shape))).astype(np.float32)
-        for side, n in (("out", shape[0]), ("in", int(np.prod(shape[1:])))):
-            kron[f"{name}/eigvecs_{side}"] = np.linalg.qr(rng.standard_normal((n, n)))[0]
-            kron[f"{name}/eigvals_{side}"] = np.full(n, eigenvalue)
-    return ClientUpload(client_id, TINY.name, TINY.kwargs, 10,
-                        [{"weights": weights, "curvature.kron": kron}])
+    return corrupt(edit).value.problem
 
 
 # ------------------------------------------------------------------ the declared architecture
@@ -165,7 +144,7 @@ def test_big_endian_arrays_are_decoded_to_native_byte_order():
     name = "classifier.4.weight"
     big = upload.weights(0)[name].astype(">f4")
     content = encode_upload(upload)
-    _set_array(content, name, big)
+    set_array(content, name, big)
     decoded = decode_upload(content, "node 7", CONTEXT.param_shapes)
     array = decoded.weights(0)[name]
     assert array.dtype == np.float32 and array.dtype.isnative and array.flags.writeable
@@ -250,7 +229,7 @@ def test_the_byte_cap_is_configurable_for_live_and_cached_uploads():
 
 # ------------------------------------------------------------------ hostile numbers
 def test_finite_but_huge_weights_are_refused_naming_section_array_and_value():
-    problem = _problem(lambda c: _set_array(
+    problem = _problem(lambda c: set_array(
         c, "classifier.0.weight", np.full((120, 256), 1e20, np.float32)))
     assert problem == ("member 0 section 'weights': array 'classifier.0.weight' has values up "
                        "to 1e+20 in magnitude, above the cap 1e+04 on section 'weights'")

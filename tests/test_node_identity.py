@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import TinyNet
 from flwr.app import ConfigRecord, Message
+from helpers.node_replies import marked_upload
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings, build_strategy
@@ -31,7 +32,7 @@ from fedfusion.flower.identity import (
 )
 from fedfusion.strategies import FedAvg
 from fedfusion.upload_store import load_uploads, save_uploads
-from fedfusion.wire import encode_models, encode_upload
+from fedfusion.wire import encode_models
 
 
 class NodesGrid:
@@ -42,19 +43,6 @@ class NodesGrid:
 
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)
-
-
-def marked_upload(msg: Message, claim: int, mark: float) -> Message:
-    """A reply to ``msg`` claiming ``claim``, its weights all ``mark`` (so the test can tell
-    whose upload ended up where; marks differ by a few percent, so no outlier screen
-    takes an interest in them)."""
-    model = TinyNet()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(mark)
-    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    return Message(encode_upload(client.make_upload([model], x, y, client_id=claim)),
-                   reply_to=msg)
 
 
 def play_round(strategy: FedAvg, claims: dict[int, int], server_round: int = 1) -> None:

@@ -544,6 +544,18 @@ def test_identical_clients_fuse_to_that_client():
                                                    for c in range(3)])
     for key, value in fused.members[0].state_dict().items():
         assert np.array_equal(value.numpy(), state[key]), key
+    # identical up to a re-indexing of their neurons: client 0 and 1 are permuted copies of
+    # client 2 (the largest, the reference), and the fusion is client 2's weights, where
+    # FedAvg of the same uploads is another function and client 0's model other weights
+    copies = [permuted(state, GROUPS["lenet"], np.random.default_rng(seed)) for seed in (3, 4)]
+    uploads = [upload(spec, 0, copies[0], 10), upload(spec, 1, copies[1], 20),
+               upload(spec, 2, state, 30)]
+    fused = OTFusion(spec, num_clients=3).fuse(uploads)
+    for key, value in fused.members[0].state_dict().items():
+        np.testing.assert_allclose(value.numpy(), state[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    x = val_set(spec).x
+    fedavg = FedAvg(spec, num_clients=3).fuse(uploads)
+    assert not torch.allclose(fedavg(x), fused(x), atol=1e-3)
 
 
 def test_activation_mode_without_validation_falls_back_to_weights():

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.fuzz import FUZZ
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fuzz import FUZZ
 
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
+from helpers.fuzz import FUZZ
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fuzz import FUZZ
 
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split

@@ -19,6 +19,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.user_models import BNNet, CustomNet, LNNet, with_stats
 from torch import nn
 from torch.nn import functional as F
 
@@ -40,59 +41,6 @@ from fedfusion.wire import (
 )
 
 
-class BNNet(nn.Module):
-    """A user's small BatchNorm CNN: conv (bias) -> BN -> ReLU -> pool, twice, linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.bn1 = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
-        self.c2, self.bn2 = nn.Conv2d(4, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
-        self.fc = nn.Linear(6 * 2 * 2, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.bn1(self.c1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.c2(x))), 2)
-        return self.fc(x.flatten(1))
-
-
-class LNNet(nn.Module):
-    """An MLP with LayerNorm and an in-place ReLU after a Linear layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.ln, self.fc2 = nn.Linear(8, 5), nn.LayerNorm(5), nn.Linear(5, 3)
-        self.fc0 = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc0(x.flatten(1)), inplace=True)
-        return self.fc2(torch.tanh(self.ln(self.fc1(h))))
-
-
-class Scale(nn.Module):
-    """A user's own parameterised layer: a learned per-channel gain used directly."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gain[:, None, None]
-
-
-class CustomNet(nn.Module):
-    """GroupNorm, a custom layer and an Embedding-free residual addition."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.gn, self.scale = nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), Scale(4)
-        self.fc = nn.Linear(4 * 4 * 4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c1(x)
-        h = F.max_pool2d(F.relu(self.scale(self.gn(h)) + h), 2)
-        return self.fc(h.flatten(1))
-
-
 class Buffers(nn.Module):
     """Every kind of state entry: a float16 and a bfloat16 parameter, a 0-d int64 counter, a
     bool mask and a uint8 table."""
@@ -108,16 +56,6 @@ class Buffers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x.flatten(1)[:, :2])
-
-
-def _with_stats(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Non-default running statistics (a few train-mode passes), then eval mode."""
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    with torch.no_grad():
-        for _ in range(3):
-            model(torch.randn(16, 1, 8, 8, generator=gen) * 2 + 0.5)
-    return model.eval()
 
 
 def _upload(model: nn.Module, client_id: int = 0, num_examples: int = 10) -> ClientUpload:
@@ -144,7 +82,7 @@ def test_every_state_entry_round_trips_exactly_through_the_upload_and_the_broadc
 
 
 def test_the_client_loads_the_broadcast_with_its_own_dtypes():
-    model = _with_stats(BNNet())
+    model = with_stats(BNNet())
     msg_content = {"arrays": encode_models([state_arrays(model)])}
     from flwr.app import RecordDict
 
@@ -167,22 +105,22 @@ def test_the_layout_knows_parameters_buffers_and_linear_conv_layers():
 
 def test_validation_tells_parameters_from_buffers():
     spec = ModelSpec.from_model_fn(BNNet)
-    upload = _upload(_with_stats(BNNet()))
+    upload = _upload(with_stats(BNNet()))
     upload.members[0]["weights"]["bn1.num_batches_tracked"] = np.array(3.0, np.float32)
     with pytest.raises(UploadError, match=r"buffer 'bn1.num_batches_tracked' has dtype float32"):
         validate_upload(upload, lambda *_: spec.param_shapes())
-    upload = _upload(_with_stats(BNNet()))
+    upload = _upload(with_stats(BNNet()))
     upload.members[0]["weights"]["bn1.running_var"] = np.ones(5, np.float32)
     with pytest.raises(UploadError, match=r"buffer 'bn1.running_var' has shape \(5,\)"):
         validate_upload(upload, lambda *_: spec.param_shapes())
     # an integer counter far above the weights' magnitude cap is an honest value
-    upload = _upload(_with_stats(BNNet()))
+    upload = _upload(with_stats(BNNet()))
     upload.members[0]["weights"]["bn1.num_batches_tracked"] = np.array(10**12, np.int64)
     validate_upload(upload, lambda *_: spec.param_shapes())
 
 
 def test_integer_arrays_are_refused_outside_the_weights_section():
-    model = _with_stats(BNNet())
+    model = with_stats(BNNet())
     x = torch.randn(20, 1, 8, 8)
     upload = client.make_upload([model], x, torch.randint(0, 3, (20,)), ["weights", "gram"])
     upload.members[0]["gram"]["c1.weight"] = upload.members[0]["gram"]["c1.weight"].astype(
@@ -207,7 +145,7 @@ def test_hybrid_fit_matches_brute_force_per_sample_gradients(net):
     labels; the output layer's factors are B = sum_n (p_n - e_y)(p_n - e_y)^T and
     A = sum_n a_n a_n^T / N; computed here one sample at a time with autograd."""
     torch.manual_seed(1)
-    model = _with_stats(net()) if net is BNNet else net().eval()
+    model = with_stats(net()) if net is BNNet else net().eval()
     x = torch.randn(12, 8) if net is LNNet else torch.randn(12, 1, 8, 8)
     factors, diagonals = hybrid_kron_fit(model, x, seed=5, batch_size=64)
     targets = _sampled_targets(model, x, 5)
@@ -246,7 +184,7 @@ def test_hybrid_fit_matches_brute_force_per_sample_gradients(net):
 
 
 def test_hybrid_fit_leaves_the_model_and_the_global_rng_alone():
-    model = _with_stats(BNNet()).train()
+    model = with_stats(BNNet()).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(10, 1, 8, 8)
     rng = torch.get_rng_state()
@@ -261,7 +199,7 @@ def test_hybrid_kron_precision_and_mixture_match_dense_references():
     """log det and the quadratic form of a Kron curvature with diagonal blocks against its
     dense precision, and the stacked log-density against torch's MultivariateNormal."""
     torch.manual_seed(2)
-    members = [_with_stats(BNNet(), seed=s) for s in range(2)]
+    members = [with_stats(BNNet(), seed=s) for s in range(2)]
     x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 3, (30,))
     layout = ModelSpec.from_model_fn(BNNet).param_shapes()
     curvatures = [fit_curvature(m, x, y, "kron", temperature=0.5, prior_var=0.3)
@@ -286,7 +224,7 @@ def test_hybrid_kron_precision_and_mixture_match_dense_references():
 
 
 def test_a_client_cannot_choose_another_block_for_a_layer():
-    model = _with_stats(BNNet())
+    model = with_stats(BNNet())
     x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 3, (20,))
     arrays = fit_curvature(model, x, y, "kron").to_arrays()
     layout = ModelSpec.from_model_fn(BNNet).param_shapes()
@@ -303,7 +241,7 @@ def test_curvature_errors_name_the_module_and_the_alternative():
     x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 3, (20,))
     with pytest.raises(ValueError, match=r"'curvlinops_ggn' has no Kron factors for the "
                                          r"BatchNorm2d parameter 'bn1.weight'.*'diag'"):
-        fit_curvature(_with_stats(BNNet()), x, y, "kron", backend="curvlinops_ggn")
+        fit_curvature(with_stats(BNNet()), x, y, "kron", backend="curvlinops_ggn")
     grouped = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
                             nn.Linear(4 * 4 * 4, 3))
     with pytest.raises(ValueError, match=r"conv layer '1'.*groups.*hessian_structure='diag'"):
@@ -311,7 +249,7 @@ def test_curvature_errors_name_the_module_and_the_alternative():
 
 
 def test_diag_curvature_covers_parameters_never_buffers_and_passes_the_server():
-    model = _with_stats(BNNet())
+    model = with_stats(BNNet())
     x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 3, (40,))
     upload = client.make_upload([model], x, y, ["weights", "curvature.diag", "curvature.kron"],
                                 model_name="BNNet")
@@ -325,7 +263,7 @@ def test_diag_curvature_covers_parameters_never_buffers_and_passes_the_server():
 # --------------------------------------------------------------------- normalisation rules
 def test_recalibration_estimates_the_batch_statistics_of_the_fused_weights():
     torch.manual_seed(3)
-    model = _with_stats(BNNet())
+    model = with_stats(BNNet())
     x = torch.randn(50, 1, 8, 8) * 3 + 1
     momentum = model.bn1.momentum
     assert recalibrate(model, x, batch_size=64) == 2
@@ -338,7 +276,7 @@ def test_recalibration_estimates_the_batch_statistics_of_the_fused_weights():
 
 
 def _bn_uploads(num: int = 3) -> list[ClientUpload]:
-    return [_upload(_with_stats(BNNet(), seed=c), client_id=c, num_examples=10 * (c + 1))
+    return [_upload(with_stats(BNNet(), seed=c), client_id=c, num_examples=10 * (c + 1))
             for c in range(num)]
 
 
@@ -390,7 +328,7 @@ def test_fedbens_modes_keep_their_starts_statistics_and_move_only_parameters():
     x, y = torch.randn(24, 1, 8, 8), torch.randint(0, 3, (24,))
     uploads = []
     for c in range(2):
-        model = _with_stats(BNNet(), seed=c)
+        model = with_stats(BNNet(), seed=c)
         upload = client.make_upload([model], x, y, ["weights", "curvature.kron"], client_id=c,
                                     model_name="BNNet")
         uploads.append(upload)

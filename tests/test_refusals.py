@@ -22,8 +22,8 @@ import logging
 import pytest
 import torch
 from flwr.app import ConfigRecord
-from test_integer_inputs import TokenNet, split_digits
-from test_integer_inputs import train as adam_train
+from helpers.digits import TokenNet, split_digits
+from helpers.digits import train as adam_train
 
 from fedfusion import client
 from fedfusion.core.architecture import ModelSpec

@@ -215,6 +215,22 @@ def test_identical_clients_fuse_to_that_client():
     # fc1 has 256 inputs and 30 samples: its alpha = 1 Gram is singular, hence the ridge
     assert strategy.report()["chosen_alpha"] == 1.0  # no validation set: the last alpha
     assert strategy.report()["alphas"][0]["ridged_layers"].keys() >= {"m0/classifier.0.weight"}
+    # beside a distinct client the twins are least squares on the pooled inputs, the twin's
+    # rows counted twice: neither client 0's weights nor their sample-weighted average
+    (first, model, x), (other, other_model, x2) = client(LINEAR, 0, 30, 4), client(LINEAR, 2,
+                                                                                   30, 5)
+    twin = ClientUpload(1, first.model, first.model_kwargs, 30, first.members)
+    fused = RegMean(LINEAR, num_clients=3, alphas=(1.0,)).fuse([first, twin, other])
+    rows = [x.flatten(1).double(), x.flatten(1).double(), x2.flatten(1).double()]
+    weights = [m.net[1].weight.detach().double() for m in (model, model, other_model)]
+    solution = np.linalg.lstsq(torch.cat(rows).numpy(),
+                               torch.cat([r @ w.T for r, w in zip(rows, weights, strict=True)])
+                               .numpy(), rcond=None)[0].T
+    result = fused.members[0].state_dict()["net.1.weight"].numpy()
+    np.testing.assert_allclose(result, solution, atol=2e-5)
+    average = (2 * weights[0] + weights[2]).numpy() / 3
+    assert np.abs(result - average).max() > 0.05
+    assert np.abs(result - weights[0].numpy()).max() > 0.05
 
 
 def test_alpha_is_chosen_on_validation():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fedbens import TINY, stopping_federation, tiny_upload
+from helpers.tiny import TINY, stopping_federation, tiny_upload
 
 from fedfusion.strategies import FedBEns
 

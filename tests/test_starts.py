@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from helpers.tiny import TINY, tiny_upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fedbens import TINY, tiny_upload
 
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.starts import (

@@ -1,11 +1,13 @@
 """FedAvg and the uniform ensemble: the math, the Message API round, bad clients, replay."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
 from flwr.app import ArrayRecord, Message
-from test_wire import SPEC, make_upload
+from helpers.uploads import SPEC, make_upload
 
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedAvg, UniformEnsemble
@@ -26,9 +28,20 @@ def test_fedavg_is_the_sample_weighted_mean():
 
 def test_fedavg_of_identical_clients_is_that_client():
     upload = make_upload(members=1)
-    predictor = FedAvg(SPEC, num_clients=2).fuse([upload, make_upload(1, members=1)][:1] * 2)
+    predictor = FedAvg(SPEC, num_clients=2).fuse([upload, upload])
     for name, value in predictor.members[0].state_dict().items():
         assert torch.equal(value, torch.from_numpy(upload.weights(0)[name]))
+    # beside a distinct client, twins weigh as one client of their examples together:
+    # (n_0 + n_1) w_0 + n_2 w_2 over n (client 0's model is another answer)
+    first = make_upload(0, members=1, seed=1)
+    twin = dataclasses.replace(first, client_id=1, num_examples=300)
+    other = make_upload(2, members=1, seed=2)
+    fused = FedAvg(SPEC, num_clients=3).fuse([first, twin, other]).members[0].state_dict()
+    total = first.num_examples + 300 + other.num_examples
+    for name, value in fused.items():
+        expected = ((first.num_examples + 300) * first.weights(0)[name]
+                    + other.num_examples * other.weights(0)[name]) / total
+        np.testing.assert_allclose(value.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_ensemble_holds_every_member_of_every_client():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import TinyNet
 from flwr.app import Message
-from test_node_identity import marked_upload
+from helpers.node_replies import marked_upload
 
 from fedfusion.flower.streaming import StreamingGrid
 from fedfusion.strategies import FedAvg

@@ -7,9 +7,9 @@ import torch
 import torchvision.datasets
 from conftest import InProcessGrid, initial_models
 from flwr.app import ConfigRecord, MetricRecord
+from helpers.fake_datasets import FakeCIFAR
+from helpers.uploads import SPEC, make_upload
 from scipy import stats
-from test_datasets import FakeCIFAR
-from test_wire import SPEC, make_upload
 from torch import nn
 from torch.nn import functional as F
 
@@ -242,6 +242,13 @@ def test_identical_clients_fuse_to_that_client():
     swa = StatisticalWeightAggregation(SPEC, num_clients=2, distance="renyi0.5")
     for name, value in swa.fuse([upload, upload]).members[0].state_dict().items():
         np.testing.assert_allclose(value.numpy(), upload.weights(0)[name], rtol=1e-6)
+    # twins earn no weight by being two: symmetric twins (client 0 and 1: k3 = 0, Gd = 0)
+    # beside a skewed client, the skewed one takes the whole layer (client 0's model and
+    # FedAvg are other weights)
+    swa = StatisticalWeightAggregation(TINY, num_clients=3, distance="hos")
+    fused = _fuse(swa, [_tiny_upload(0, SYMMETRIC), _tiny_upload(1, SYMMETRIC),
+                        _tiny_upload(2, SKEWED)])
+    np.testing.assert_allclose(fused.ravel(), SKEWED, atol=1e-6)
 
 
 def test_scores_are_deterministic_and_degenerate_layers_average_plainly():

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from helpers.uploads import CONTEXT, corrupt, make_upload, set_array
 
-from fedfusion.core.fusion import FusionContext
-from fedfusion.core.predictors import ModelSpec
 from fedfusion.upload_store import load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,
@@ -18,20 +17,6 @@ from fedfusion.wire import (
     encode_upload,
     member_key,
 )
-
-SPEC = ModelSpec("lenet", (1, 28, 28), 10)
-CONTEXT = FusionContext(SPEC)
-
-
-def make_upload(client_id: int = 3, members: int = 2, seed: int = 0) -> ClientUpload:
-    rng = np.random.default_rng(seed)
-    shapes = CONTEXT.param_shapes("lenet", {})
-    return ClientUpload(
-        client_id=client_id, model="lenet", model_kwargs={}, num_examples=1234,
-        members=[{"weights": {k: rng.standard_normal(s).astype(np.float32)
-                              for k, s in shapes.items()}} for _ in range(members)],
-        metrics={"train-time-s": 1.5, "class-histogram": [1000, 200, 34]},  # sums to 1234
-    )
 
 
 def assert_same(a: ClientUpload, b: ClientUpload) -> None:
@@ -65,60 +50,40 @@ def test_broadcast_round_trip():
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(models, decoded, strict=True) for k in a)
 
 
-def _corrupt(edit) -> pytest.ExceptionInfo:
-    content = encode_upload(make_upload())
-    edit(content)
-    with pytest.raises(UploadError) as info:
-        decode_upload(content, "node 7", CONTEXT.param_shapes)
-    assert str(info.value).startswith("client node 7:")
-    return info
-
-
-def _set_array(content, name, array, member=0):
-    record = content[member_key(member, "weights")]
-    arrays = {k: v.numpy() for k, v in record.items()}
-    if array is None:
-        del arrays[name]
-    else:
-        arrays[name] = array
-    content[member_key(member, "weights")] = ArrayRecord(
-        {k: __import__("flwr").app.Array(v) for k, v in arrays.items()})
-
-
 def test_nan_is_rejected_naming_the_array():
     def edit(content):
         bad = np.zeros((6, 1, 5, 5), np.float32)
         bad[0, 0, 0, 0] = np.nan
-        _set_array(content, "features.0.weight", bad, member=1)
-    info = _corrupt(edit)
+        set_array(content, "features.0.weight", bad, member=1)
+    info = corrupt(edit)
     assert "member 1" in str(info.value) and "'features.0.weight'" in str(info.value)
     assert "NaN" in str(info.value)
 
 
 def test_wrong_shape_is_rejected_naming_the_array():
-    info = _corrupt(lambda c: _set_array(c, "classifier.4.weight", np.zeros((10, 80), np.float32)))
+    info = corrupt(lambda c: set_array(c, "classifier.4.weight", np.zeros((10, 80), np.float32)))
     assert "'classifier.4.weight' has shape (10, 80), expected (10, 84)" in str(info.value)
 
 
 def test_missing_array_is_rejected_naming_it():
-    info = _corrupt(lambda c: _set_array(c, "classifier.2.weight", None))
+    info = corrupt(lambda c: set_array(c, "classifier.2.weight", None))
     assert "missing array(s) ['classifier.2.weight']" in str(info.value)
 
 
 def test_integer_dtype_is_rejected():
-    info = _corrupt(lambda c: _set_array(c, "classifier.4.weight", np.zeros((10, 84), np.int64)))
+    info = corrupt(lambda c: set_array(c, "classifier.4.weight", np.zeros((10, 84), np.int64)))
     assert "dtype int64" in str(info.value)
 
 
 def test_missing_member_record_and_schema_version():
     assert "record 'fedfusion.m1.weights' is missing" in str(
-        _corrupt(lambda c: c.__delitem__(member_key(1, "weights"))).value)
+        corrupt(lambda c: c.__delitem__(member_key(1, "weights"))).value)
 
     def bump(content):
         meta = dict(content[META_KEY])
         meta["schema-version"] = 99
         content[META_KEY] = ConfigRecord(meta)
-    assert "schema-version 99 is not supported" in str(_corrupt(bump).value)
+    assert "schema-version 99 is not supported" in str(corrupt(bump).value)
 
 
 def test_unknown_model_and_missing_required_section():
@@ -126,7 +91,7 @@ def test_unknown_model_and_missing_required_section():
         meta = dict(content[META_KEY])
         meta["model"] = "resnet"
         content[META_KEY] = ConfigRecord(meta)
-    assert "model 'resnet' cannot be built" in str(_corrupt(other_model).value)
+    assert "model 'resnet' cannot be built" in str(corrupt(other_model).value)
     with pytest.raises(UploadError, match="lacks section\\(s\\) \\['curvature.kron'\\]"):
         decode_upload(encode_upload(make_upload()), "n", CONTEXT.param_shapes,
                       required_sections=("weights", "curvature.kron"))

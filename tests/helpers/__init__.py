@@ -1,0 +1,1 @@
+"""Builders shared by several test files (a test file never imports another)."""
