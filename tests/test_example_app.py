@@ -27,7 +27,9 @@ def installed(tmp_path_factory) -> Path:
     site = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(REPO)], check=True)
-    assert (site / "fedfusion" / "strategies" / "fedbens.py").is_file()
+    # every module of the package, subpackages included, is in the wheel
+    package = {p.relative_to(REPO) for p in (REPO / "fedfusion").rglob("*.py")}
+    assert package == {p.relative_to(site) for p in (site / "fedfusion").rglob("*.py")}
     assert not (site / "tests").exists() and not (site / "examples").exists()
     # operations helpers (CA, node keys, process management) stay in the checkout
     assert not (site / "fedfusion" / "app" / "deploy.py").exists()
