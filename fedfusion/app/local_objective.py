@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 from torch import nn
 
-from fedfusion.constraints import FINITE_NON_NEGATIVE, FINITE_POSITIVE, Constraint
+from fedfusion.app.config import Settings, knob_of
 from fedfusion.contrastive import ContrastiveTerm
 from fedfusion.core.state import state_arrays
 from fedfusion.training import LossTerm, ProximalTerm
@@ -35,17 +35,16 @@ class LocalObjective:
     contrastive_weight: float = 0.0
     contrastive_temperature: float = 0.5
 
-    #: train-config key -> field; the rules are the run-config keys' of the same names
+    #: train-config key -> field
     KEYS: ClassVar[dict[str, str]] = {
         "prox-mu": "prox_mu", "contrastive-weight": "contrastive_weight",
         "contrastive-temperature": "contrastive_temperature"}
-    RULES: ClassVar[dict[str, Constraint]] = {
-        "prox-mu": FINITE_NON_NEGATIVE, "contrastive-weight": FINITE_NON_NEGATIVE,
-        "contrastive-temperature": FINITE_POSITIVE}
 
     def __post_init__(self) -> None:
+        # each key is checked by the rule of the run-config key of the same name
+        rules = {f.name: knob_of(f).check for f in fields(Settings)}
         for key, name in self.KEYS.items():
-            self.RULES[key].check(f"train config {key!r}", getattr(self, name))
+            rules[name].check(f"train config {key!r}", getattr(self, name))
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalObjective:
