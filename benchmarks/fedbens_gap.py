@@ -34,9 +34,9 @@ from leaderboard import MEMBERS, OUT
 from fedfusion.app.config import Settings, default_model
 from fedfusion.app.federation import federated_split
 from fedfusion.core.architecture import ModelSpec
-from fedfusion.core.predictors import load_predictor
 from fedfusion.server_app import replay_settings
 from fedfusion.strategies.fedbens.starts import clustered_starts
+from fedfusion.strategies.predictors import load_predictor
 
 RESULTS = REPO / "benchmarks" / "results" / "fedbens_gap.json"
 TEMPERATURES = (0.5, 2.0)

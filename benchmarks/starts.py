@@ -43,8 +43,8 @@ from common import REPO
 
 from fedfusion.app.replay import replay  # noqa: E402
 from fedfusion.core.evaluation import predict_log_probs  # noqa: E402
-from fedfusion.core.predictors import load_predictor  # noqa: E402
 from fedfusion.server_app import replay_settings  # noqa: E402
+from fedfusion.strategies.predictors import load_predictor  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "starts.json"
 SPLITS_OUT = REPO / "outputs" / "bench-authors-splits"

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedfusion.core.predictors import max_logit_log_probs  # noqa: E402
+from fedfusion.strategies.ams.predictor import max_logit_log_probs  # noqa: E402
 
 HALVES = ((-2.0, 0.5), (-0.5, 2.0))  # x1 range of the left and the right client
 TRAIN, TEST = 300, 150

@@ -30,7 +30,7 @@ _EXPORTS = {
     "ClientUpload": "fedfusion.wire",
     "UploadError": "fedfusion.wire",
     "LocalGrid": "fedfusion.flower.local",
-    "load_predictor": "fedfusion.core.predictors",
+    "load_predictor": "fedfusion.strategies.predictors",
     "save_predictor": "fedfusion.core.predictors",
 }
 

@@ -5,7 +5,7 @@ Outputs of a run, in ``<output-dir>/<run-name>/``:
 
 * ``results.json``: settings, test/validation metrics, per-round metrics, per-client
   histogram, training time and upload size, excluded clients with reasons, timings;
-* ``predictor.pt``: the global predictor (:func:`fedfusion.core.predictors.load_predictor`);
+* ``predictor.pt``: the global predictor (:func:`fedfusion.load_predictor`);
 * ``uploads/``: the clients' uploads of a one-shot run (replay them with ``replay=...``).
 
 The strategy's own account (clients, exclusions, report, cost, screening, timing) is the

@@ -15,15 +15,11 @@ from conftest import InProcessGrid
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import client_settings, settings_for_node
-from fedfusion.core.predictors import (
-    MaxLogitSelector,
-    ModelSpec,
-    load_predictor,
-    max_logit_log_probs,
-    save_predictor,
-)
+from fedfusion.core.predictors import ModelSpec, save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection
+from fedfusion.strategies.ams.predictor import MaxLogitSelector, max_logit_log_probs
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import load_uploads
 from fedfusion.wire import ClientUpload
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.strategies.datafree.co_boosting import (
     ODS_TEMPERATURE,
     CoBoosting,
     WeightedLogitEnsemble,
     reweight_step,
 )
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.wire import ClientUpload
 
 #: f(x) = W2 relu(W1 flatten(x)): 4 inputs, 5 hidden units, 3 classes, no biases

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.core.normalization import running_stat_layers
-from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.datasets import ImageData, load_dataset
 from fedfusion.strategies.datafree.dense import (
     Dense,
@@ -20,6 +20,7 @@ from fedfusion.strategies.datafree.dense import (
     input_stats_loss,
     kl_teacher_student,
 )
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.wire import ClientUpload
 
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})

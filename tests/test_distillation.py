@@ -20,9 +20,10 @@ from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.replay import replay
 from fedfusion.core.evaluation import Labelled
 from fedfusion.core.fusion import Fusion
-from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor
+from fedfusion.core.predictors import Ensemble, ModelSpec
 from fedfusion.distillation import DistillOptions, augment, distil, kd_loss, mixup
 from fedfusion.strategies import FedAvg, UniformEnsemble
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.wire import ClientUpload
 
 REPO = Path(__file__).resolve().parents[1]

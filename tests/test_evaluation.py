@@ -3,7 +3,8 @@ import math
 import torch
 
 from fedfusion.core.evaluation import ECE_BINS, classification_metrics, evaluate
-from fedfusion.core.predictors import Ensemble, ModelSpec, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, ModelSpec, save_predictor
+from fedfusion.strategies.predictors import load_predictor
 
 
 def brute_force_ece(probs: torch.Tensor, y: torch.Tensor) -> float:

@@ -16,15 +16,12 @@ from flwr.clientapp import ClientApp
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
 from fedfusion.app.inprocess import InProcessGrid
-from fedfusion.core.predictors import (
-    AggregatedEnsemble,
-    LogitAggregator,
-    load_predictor,
-    save_predictor,
-)
+from fedfusion.core.predictors import save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FENS
+from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
 from fedfusion.strategies.fens.training import LocalTraining, ServerOptimizer, train_locally
+from fedfusion.strategies.predictors import load_predictor
 
 
 def tiny_federation(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

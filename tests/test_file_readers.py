@@ -21,9 +21,10 @@ from fedfusion import upload_store
 from fedfusion.app.config import Settings
 from fedfusion.app.output import output_folder
 from fedfusion.core.architecture import ModelSpec
-from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, save_predictor
 from fedfusion.datasets import PartitionError
 from fedfusion.datasets import partition_file as pf
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def test_an_expanded_predictor_of_16_gb_is_refused_in_bounded_memory(tmp_path):
     code = """
         import resource, sys, time, torch
         from fedfusion.core.architecture import ModelSpec
-        from fedfusion.core.predictors import load_predictor
+        from fedfusion.strategies.predictors import load_predictor
         spec = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 2, "hidden": 65536})
         with torch.device("meta"):
             shapes = {k: v.shape for k, v in spec.build().state_dict().items()}

@@ -40,8 +40,9 @@ from hypothesis import strategies as st
 from fedfusion import upload_store
 from fedfusion.app.config import Settings
 from fedfusion.app.output import output_folder
-from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, save_predictor
 from fedfusion.flower.identity import RegistryError, check_client_registry, read_client_registry
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 from fedfusion.wire import (
     META_KEY,

@@ -34,13 +34,14 @@ from helpers.uploads import (
 )
 
 from fedfusion.app import replay
-from fedfusion.core.predictors import Ensemble, load_predictor, save_predictor
+from fedfusion.core.predictors import Ensemble, save_predictor
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
 from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_WEIGHT, SECTIONS
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.objective import mixture_log_posterior
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,

@@ -131,7 +131,7 @@ ABOVE_BASE = (FLOWER, STRATEGIES, CLIENT, *APP)
 TRAIN_CONFIG = "fedfusion.flower.train_config"
 #: what every family may share, and the modules that see every family
 SHARED_FAMILIES = {"alignment"}
-ALL_FAMILIES = {STRATEGIES, f"{STRATEGIES}.requirements"}
+ALL_FAMILIES = {STRATEGIES, f"{STRATEGIES}.requirements", f"{STRATEGIES}.predictors"}
 #: one family building on another: (importer family, imported family) -> why
 FAMILY_EDGES = {
     ("fedprox", "fedavg"): "FedProx is FedAvg with a proximal client term",

@@ -13,9 +13,10 @@ from fedfusion.app.config import Settings, build_strategy
 from fedfusion.app.local_objective import LocalObjective, previous_key
 from fedfusion.contrastive import ContrastiveTerm, model_contrastive_loss, representation_layer
 from fedfusion.core.fusion import FusionContext
-from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.models import build_model
 from fedfusion.server_app import run_server
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.training import ProximalTerm, TrainConfig, train_local
 from fedfusion.wire import decode_upload, encode_models
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.app.config import ConfigError, Settings, build_strategy
-from fedfusion.core.predictors import ModelSpec, load_predictor
+from fedfusion.core.predictors import ModelSpec
 from fedfusion.core.state import weighted_average
 from fedfusion.datasets import load_dataset
 from fedfusion.server_app import run_server
@@ -22,6 +22,7 @@ from fedfusion.strategies import (
     FedAvg,
     StatisticalWeightAggregation,
 )
+from fedfusion.strategies.predictors import load_predictor
 from fedfusion.strategies.swa.strategy import (
     SWA_DISTANCES,
     buffer_owners,

@@ -49,119 +49,11 @@ class Ensemble(nn.Module):
         specs = [ModelSpec.from_dict(s, model_fn) for s in payload["specs"]]
         return cls([s.build(st) for s, st in zip(specs, payload["states"], strict=True)], specs)
 
-
-def max_logit_log_probs(logits: torch.Tensor, top_k: int = 1) -> torch.Tensor:
-    """AMS (Zhang & Zhang): per input, log_softmax of the sum of the logit vectors of the
-    ``top_k`` models with the highest maximum logit ("absolute confidence").
-
-    ``logits`` is ``[N models, B, K]``. ``top_k = 1`` is AMS-top1 (the selected model's
-    log-softmax, Algorithm 2); ``top_k = 0`` or ``>= N`` sums all N (AMS-full). Ties go to
-    the lower model index, so the result is deterministic.
-    """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [models, batch, classes], got {tuple(logits.shape)}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    k = logits.shape[0] if top_k == 0 else min(top_k, logits.shape[0])
-    confidence = logits.max(dim=-1).values  # [N, B]
-    order = torch.sort(confidence, dim=0, descending=True, stable=True).indices[:k]  # [k, B]
-    chosen = torch.gather(logits, 0, order[..., None].expand(-1, -1, logits.shape[-1]))
-    return torch.log_softmax(chosen.sum(dim=0), dim=-1)
-
-
-class MaxLogitSelector(Ensemble):
-    """AMS predictor: per input, the members with the highest max-logit (see
-    :func:`max_logit_log_probs`); members may have different architectures."""
-
-    kind = "max-logit"
-
-    def __init__(self, models: Sequence[nn.Module], specs: Sequence[ModelSpec], top_k: int = 1):
-        super().__init__(models, specs)
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = all members), got {top_k}")
-        self.top_k = int(top_k)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return max_logit_log_probs(torch.stack([m(x) for m in self.members]), self.top_k)
-
-    def to_payload(self) -> dict[str, Any]:
-        return {**super().to_payload(), "top_k": self.top_k}
-
     @classmethod
-    def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
-                     ) -> MaxLogitSelector:
-        ensemble = Ensemble.from_payload(payload, model_fn)
-        return cls(list(ensemble.members), ensemble.specs, int(payload["top_k"]))
-
-
-class LogitAggregator(nn.Module):
-    """FENS' aggregator over K models' log-probabilities ``z`` ``[B, K, C]``:
-
-        g(z) = sum_k a_k * z_k + b + W_2 relu(W_1 vec(z) + c_1) + c_2,
-
-    ``a_k`` a per-class weight vector of model k (the per-model weighting), the second part
-    a shallow network over the concatenated outputs (FENS' own aggregator; ``hidden = 0``
-    leaves it out). At initialisation ``a_k = 1/K``, ``b = 0`` and ``W_2 = c_2 = 0``: g starts
-    as the mean of the models' log-probabilities, so training starts from the ensemble."""
-
-    def __init__(self, num_models: int, num_classes: int, hidden: int = 0):
-        super().__init__()
-        self.num_models, self.num_classes, self.hidden_size = num_models, num_classes, hidden
-        self.weights = nn.Parameter(torch.full((num_models, num_classes), 1.0 / num_models))
-        self.bias = nn.Parameter(torch.zeros(num_classes))
-        if hidden:
-            self.hidden = nn.Linear(num_models * num_classes, hidden)
-            self.out = nn.Linear(hidden, num_classes)
-            nn.init.zeros_(self.out.weight)
-            nn.init.zeros_(self.out.bias)
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        logits = (z * self.weights).sum(1) + self.bias
-        if self.hidden_size:
-            logits = logits + self.out(torch.relu(self.hidden(z.flatten(1))))
-        return logits
-
-
-def member_log_probs(models: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """``[B, K, C]``: each model's log-softmax output on ``x`` (the aggregator's input)."""
-    return torch.stack([torch.log_softmax(m(x), dim=-1) for m in models], dim=1)
-
-
-class AggregatedEnsemble(Ensemble):
-    """FENS' predictor: log_softmax(g(z(x))), g a trained :class:`LogitAggregator` over the
-    members' log-probabilities z (every member one forward pass per prediction)."""
-
-    kind = "aggregated"
-
-    def __init__(self, models: Sequence[nn.Module], specs: Sequence[ModelSpec],
-                 aggregator: LogitAggregator):
-        super().__init__(models, specs)
-        if aggregator.num_models != len(models):
-            raise ValueError(f"the aggregator takes {aggregator.num_models} models' outputs, "
-                             f"the ensemble has {len(models)}")
-        self.aggregator = aggregator
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.aggregator(member_log_probs(self.members, x)), dim=-1)
-
-    def to_payload(self) -> dict[str, Any]:
-        return {**super().to_payload(), "hidden": self.aggregator.hidden_size,
-                "aggregator": {k: v.detach().cpu()
-                               for k, v in self.aggregator.state_dict().items()}}
-
-    @classmethod
-    def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
-                     ) -> AggregatedEnsemble:
-        ensemble = Ensemble.from_payload(payload, model_fn)
-        aggregator = LogitAggregator(len(ensemble.members), ensemble.specs[0].num_classes,
-                                     int(payload["hidden"]))
-        aggregator.load_state_dict(payload["aggregator"])
-        return cls(list(ensemble.members), ensemble.specs, aggregator)
-
-
-PREDICTOR_KINDS: dict[str, type] = {Ensemble.kind: Ensemble,
-                                    MaxLogitSelector.kind: MaxLogitSelector,
-                                    AggregatedEnsemble.kind: AggregatedEnsemble}
+    def check_payload(cls, where: str, payload: Mapping[str, Any]) -> None:
+        """Raise ValueError naming the first field of the payload, beyond the members' specs
+        and states (checked by :func:`read_predictor`), that is wrong; a subclass with fields
+        of its own checks them here."""
 
 
 def save_predictor(predictor: nn.Module, path: str | Path) -> Path:
@@ -179,10 +71,11 @@ def save_predictor(predictor: nn.Module, path: str | Path) -> Path:
 MAX_PREDICTOR_MEMBERS = 100_000
 
 
-def load_predictor(path: str | Path, device: str | torch.device = "cpu",
-                   model_fn: ModelFn | None = None) -> nn.Module:
-    """Load a saved predictor for inference: ``load_predictor(p)(x)`` gives log-probabilities.
-    A predictor of a user's ``model_fn`` (not the zoo) needs that ``model_fn`` back.
+def read_predictor(path: str | Path, kinds: Mapping[str, type[Ensemble]],
+                   device: str | torch.device = "cpu", model_fn: ModelFn | None = None
+                   ) -> Ensemble:
+    """Load a saved predictor of one of ``kinds`` (kind -> class) for inference; the
+    public :func:`fedfusion.load_predictor` passes every strategy's kinds.
 
     The file is untrusted: it is unpickled with ``weights_only=True`` (tensors and plain
     containers only), and its kind, spec fields and state tensors are checked before any
@@ -202,18 +95,19 @@ def load_predictor(path: str | Path, device: str | torch.device = "cpu",
     except Exception as exc:  # not a torch file, truncated, or holding code objects
         raise ValueError(f"{path}: not a saved fedfusion predictor ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
-    _check_payload(path, payload, model_fn)
-    return PREDICTOR_KINDS[payload["kind"]].from_payload(payload, model_fn).to(device).eval()
+    _check_payload(path, payload, kinds, model_fn)
+    return kinds[payload["kind"]].from_payload(payload, model_fn).to(device).eval()
 
 
-def _check_payload(path: Path, payload: object, model_fn: ModelFn | None = None) -> None:
+def _check_payload(path: Path, payload: object, kinds: Mapping[str, type[Ensemble]],
+                   model_fn: ModelFn | None = None) -> None:
     """Raise ValueError naming the first field of a predictor payload that is wrong."""
     if not isinstance(payload, dict):
         raise ValueError(f"{path}: holds a {type(payload).__name__}, not a predictor payload")
     kind = payload.get("kind")
-    if not isinstance(kind, str) or kind not in PREDICTOR_KINDS:
+    if not isinstance(kind, str) or kind not in kinds:
         raise ValueError(f"{path}: unknown predictor kind {kind!r:.60}; known: "
-                         f"{', '.join(PREDICTOR_KINDS)}")
+                         f"{', '.join(kinds)}")
     specs, states = payload.get("specs"), payload.get("states")
     if not isinstance(specs, list) or not 1 <= len(specs) <= MAX_PREDICTOR_MEMBERS:
         raise ValueError(f"{path}: 'specs' must be a list of 1..{MAX_PREDICTOR_MEMBERS} model "
@@ -224,28 +118,7 @@ def _check_payload(path: Path, payload: object, model_fn: ModelFn | None = None)
     for i, (spec, state) in enumerate(zip(specs, states, strict=True)):
         _check_member(path, i, spec, state, model_fn)
     _check_storage_total(path, states)
-    if kind == MaxLogitSelector.kind:
-        check_int(f"{path}", "top_k", payload.get("top_k"), 0, MAX_PREDICTOR_MEMBERS)
-    if kind == AggregatedEnsemble.kind:
-        _check_aggregator(path, payload, len(specs))
-
-
-def _check_aggregator(path: Path, payload: Mapping[str, Any], num_models: int) -> None:
-    """An aggregated ensemble's head: its width an int, its state the shapes it implies."""
-    hidden = check_int(f"{path}", "hidden", payload.get("hidden"), 0, 2**20)
-    num_classes = payload["specs"][0]["num_classes"]
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in
-                    LogitAggregator(num_models, num_classes, hidden).state_dict().items()}
-    state = payload.get("aggregator")
-    if not isinstance(state, dict) or set(state) != set(expected) or not all(
-            isinstance(state[k], torch.Tensor) and tuple(state[k].shape) == shape
-            and state[k].is_floating_point() for k, shape in expected.items()):
-        raise ValueError(f"{path}: 'aggregator' must hold the float tensors {expected} of a "
-                         f"head over {num_models} models, {num_classes} classes, hidden "
-                         f"{hidden}")
-    for name, tensor in state.items():
-        _check_storage(f"{path}: aggregator[{name!r}]", tensor)
+    kinds[kind].check_payload(f"{path}", payload)
 
 
 def _check_member(path: Path, i: int, spec: object, state: object,
@@ -282,14 +155,14 @@ def _check_member(path: Path, i: int, spec: object, state: object,
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
             raise ValueError(f"{path}: states[{i}][{name!r}] is {tensor.dtype} "
                              f"{tuple(tensor.shape)}, the model needs a float tensor {shape}")
-        _check_storage(f"{path}: states[{i}][{name!r}]", tensor)
+        check_storage(f"{path}: states[{i}][{name!r}]", tensor)
 
 
 def _view_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_storage(where: str, tensor: torch.Tensor) -> None:
+def check_storage(where: str, tensor: torch.Tensor) -> None:
     """Refuse a tensor whose view needs more bytes than its real storage holds (stride 0 or
     otherwise overlapping: copying it would materialise the whole declared shape)."""
     needed = _view_bytes(tensor)

@@ -17,10 +17,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
-from fedfusion.core.predictors import LogitAggregator
 from fedfusion.core.state import load_models
 from fedfusion.device import model_device
 from fedfusion.flower.train_config import ROUND_KEY
+from fedfusion.strategies.fens.predictor import LogitAggregator
 from fedfusion.strategies.fens.training import (
     AGGREGATOR_RECORD,
     HIDDEN_KEY,

@@ -7,8 +7,9 @@ fraction ``holdout_fraction`` of its rows (sent in the train config as ``holdout
 and uploads them. The K = sum_c M_c uploaded models then go to every client once; each
 computes their log-probabilities z(x) ``[K, C]`` on its held-out rows, keeps them, and from
 then on each aggregator round moves only the aggregator g
-(:class:`~fedfusion.core.predictors.LogitAggregator`: per-model class weights, plus FENS' shallow
-network over the concatenated outputs when ``hidden > 0``) by local SGD and a server step
+(:class:`~fedfusion.strategies.fens.predictor.LogitAggregator`: per-model class weights, plus
+FENS' shallow network over the concatenated outputs when ``hidden > 0``) by local SGD and a
+server step
 (:mod:`fedfusion.strategies.fens.training`). g starts as the mean of the models'
 log-probabilities; the server scores it on its validation set after every round and keeps
 the best, stopping after ``patience`` rounds without improvement (or ``rounds`` in all).
@@ -39,12 +40,13 @@ from torch import nn
 
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.evaluation import classification_metrics
-from fedfusion.core.predictors import AggregatedEnsemble, Ensemble, LogitAggregator
+from fedfusion.core.predictors import Ensemble
 from fedfusion.core.state import state_arrays
 from fedfusion.flower.client_errors import parse_client_error
 from fedfusion.flower.strategy import FusionResult, FusionStrategy
 from fedfusion.flower.train_config import MODEL_KEY, MODEL_KWARGS_KEY, ROUND_KEY
 from fedfusion.strategies.fedbens import FedBEns
+from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
 from fedfusion.strategies.fens.training import (
     AGGREGATOR_RECORD,
     HIDDEN_KEY,

@@ -2,10 +2,10 @@
 the server's FedAdam / FedAvg step on the aggregator.
 
 The features of an input x are the K uploaded models' log-probabilities z(x) ``[K, C]``
-(:func:`~fedfusion.core.predictors.member_log_probs`), computed once per client on the rows it
-held out of local training. The aggregator g (:class:`~fedfusion.core.predictors.LogitAggregator`)
-minimises the cross-entropy of softmax(g(z)) over every client's held-out rows, by federated
-rounds: each client takes ``epochs`` passes of SGD over its rows from the global g, the server
+(:func:`~fedfusion.strategies.fens.predictor.member_log_probs`), computed once per client on the
+rows it held out of local training. The aggregator g
+(:class:`~fedfusion.strategies.fens.predictor.LogitAggregator`) minimises the cross-entropy of
+softmax(g(z)) over every client's held-out rows, by federated rounds: each client takes ``epochs`` passes of SGD over its rows from the global g, the server
 moves g by the sample-weighted mean update Delta = sum_i n_i (g_i - g) / sum_i n_i:
 
 * ``fedavg``: g <- g + Delta;
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.core.predictors import LogitAggregator, member_log_probs
 from fedfusion.device import model_device
+from fedfusion.strategies.fens.predictor import LogitAggregator, member_log_probs
 
 #: train-config keys of an aggregator round (the client helpers read them)
 PHASE_KEY, PHASE_AGGREGATOR = "fens.phase", "aggregator"

@@ -15,7 +15,7 @@ k larger than the number of models (e.g. after an excluded client) means all of 
 Clients may use different architectures with the same number of classes (paper Table 4,
 MLPs of 1..5 hidden layers): the server builds each client's network from its upload's
 ``model``/``model-kwargs``. The predictor is a
-:class:`~fedfusion.core.predictors.MaxLogitSelector` (saved/loaded like any predictor).
+:class:`~fedfusion.strategies.ams.predictor.MaxLogitSelector` (saved and loaded like any predictor).
 
 Departures: with M > 1 members per client, each member counts as a model of its own (the
 selection runs over all N x M members), since the paper has one model per client. Ties in
@@ -31,7 +31,8 @@ from torch import nn
 
 from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
-from fedfusion.core.predictors import Ensemble, MaxLogitSelector
+from fedfusion.core.predictors import Ensemble
+from fedfusion.strategies.ams.predictor import MaxLogitSelector
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.wire import ClientUpload
 
