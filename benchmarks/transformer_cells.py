@@ -28,7 +28,7 @@ from fedfusion.core.model_check import ModelRefused
 from fedfusion.strategies import STRATEGIES
 
 SECTIONS = ["curvature.kron", "curvature.diag", "gram"]
-#: small server budgets, as tests/test_model_matrix.py
+#: small server budgets, as tests/strategies/test_model_matrix.py
 OPTIONS = {"fedbens": {"steps": 30, "eval_every": 10}, "fedfisher": {"steps": 30},
            "dense": {"epochs": 2, "batch_size": 64},
            "co-boosting": {"epochs": 2, "batch_size": 64}}

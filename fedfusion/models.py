@@ -53,10 +53,6 @@ def build_model(
     return _REGISTRY[name](input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def _conv_out(size: int, kernel: int, pool: int = 2) -> int:
     return (size - kernel + 1) // pool
 

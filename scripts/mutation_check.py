@@ -59,7 +59,7 @@ def transformer_cells(strategy: str, families: Sequence[str] = ("vit", "token_tr
                       ) -> tuple[str, ...]:
     """The model-matrix cells of ``strategy`` on the zoo's transformers: each must predict
     otherwise than client 0's model and FedAvg of the same uploads."""
-    return tuple(f"tests/test_model_matrix.py::test_every_strategy_on_the_transformers"
+    return tuple(f"tests/strategies/test_model_matrix.py::test_every_strategy_on_the_transformers"
                  f"[{strategy}-{family}]" for family in families)
 
 
@@ -67,7 +67,7 @@ def family_cells(strategy: str) -> tuple[str, ...]:
     """The model-matrix cells of ``strategy`` on the CNN, ResNet and LayerNorm-MLP families:
     each must predict otherwise than client 0's model and (unless the strategy is FedAvg on
     the server) FedAvg of the same uploads; OTFusion's must undo a permutation FedAvg cannot."""
-    return tuple(f"tests/test_model_matrix.py::test_every_strategy_on_every_model_family"
+    return tuple(f"tests/strategies/test_model_matrix.py::test_every_strategy_on_every_model_family"
                  f"[{strategy}-{family}]"
                  for family in ("bn_cnn", "resnet_bn", "resnet_plain", "ln_mlp"))
 
@@ -85,73 +85,73 @@ class Target:
 #: nets, and the real-data comparisons against FedAvg / the ensemble of the same uploads)
 TARGETS: tuple[Target, ...] = (
     Target("fedbens", ("fedavg", "ensemble", "client0"), (
-        "tests/test_fedbens.py::test_member_starts_climb_from_every_member_to_a_mode_each",
-        "tests/test_fedbens.py::test_fedbens_on_real_fmnist_with_replay_and_client_removal",
+        "tests/strategies/test_fedbens.py::test_member_starts_climb_from_every_member_to_a_mode_each",
+        "tests/strategies/test_fedbens.py::test_fedbens_on_real_fmnist_with_replay_and_client_removal",
         LIBRARY_FEDBENS, *family_cells("fedbens"), *transformer_cells("fedbens"))),
     Target("fedfisher", ("fedavg", "client0"), (
-        "tests/test_fedfisher.py::test_kron_optimum_is_the_dense_minimiser",
-        "tests/test_fedfisher.py::test_diag_optimum_is_the_closed_form_and_fisher_merge",
-        "tests/test_fedfisher.py::test_fedfisher_on_real_fmnist",
-        "tests/test_fedfisher.py::test_identical_clients_give_that_client",
+        "tests/strategies/test_fedfisher.py::test_kron_optimum_is_the_dense_minimiser",
+        "tests/strategies/test_fedfisher.py::test_diag_optimum_is_the_closed_form_and_fisher_merge",
+        "tests/strategies/test_fedfisher.py::test_fedfisher_on_real_fmnist",
+        "tests/strategies/test_fedfisher.py::test_identical_clients_give_that_client",
         *family_cells("fedfisher"), *transformer_cells("fedfisher"))),
     Target("fisher-merge", ("fedavg", "client0"), (
-        "tests/test_fedfisher.py::test_fisher_merge_matches_an_elementwise_loop",
-        "tests/test_fedfisher.py::test_fisher_merge_on_real_fmnist",
+        "tests/strategies/test_fedfisher.py::test_fisher_merge_matches_an_elementwise_loop",
+        "tests/strategies/test_fedfisher.py::test_fisher_merge_on_real_fmnist",
         *family_cells("fisher-merge"), *transformer_cells("fisher-merge"))),
     Target("regmean", ("fedavg", "client0"), (
-        "tests/test_regmean.py::test_alpha_one_is_least_squares_on_the_pooled_inputs",
-        "tests/test_regmean.py::test_real_fmnist_federation",
+        "tests/strategies/test_regmean.py::test_alpha_one_is_least_squares_on_the_pooled_inputs",
+        "tests/strategies/test_regmean.py::test_real_fmnist_federation",
         "tests/test_library.py::test_plain_python_upload_from_models_and_fuse",
-        "tests/test_regmean.py::test_identical_clients_fuse_to_that_client",
+        "tests/strategies/test_regmean.py::test_identical_clients_fuse_to_that_client",
         *family_cells("regmean"), *transformer_cells("regmean"))),
     Target("otfusion", ("fedavg", "client0"), (
-        "tests/test_otfusion.py::test_a_permuted_copy_fuses_back_exactly",
-        "tests/test_otfusion.py::test_fusion_is_the_weighted_average_of_the_aligned_clients",
-        "tests/test_otfusion.py::test_identical_clients_fuse_to_that_client",
-        "tests/test_otfusion.py::test_clients_from_different_inits_fuse_far_better_than_fedavg",
-        "tests/test_otfusion.py::test_real_fmnist_federation_from_a_common_init_is_fedavg",
+        "tests/strategies/test_otfusion.py::test_a_permuted_copy_fuses_back_exactly",
+        "tests/strategies/test_otfusion.py::test_fusion_is_the_weighted_average_of_the_aligned_clients",
+        "tests/strategies/test_otfusion.py::test_identical_clients_fuse_to_that_client",
+        "tests/strategies/test_otfusion.py::test_clients_from_different_inits_fuse_far_better_than_fedavg",
+        "tests/strategies/test_otfusion.py::test_real_fmnist_federation_from_a_common_init_is_fedavg",
         *family_cells("otfusion"))),
     Target("dense", ("fedavg", "ensemble", "client0"), (
-        "tests/test_dense.py::test_distillation_is_deterministic_given_the_seed",
-        "tests/test_dense.py::test_fmnist_federation_beats_the_fedavg_student_it_starts_from",
+        "tests/strategies/test_dense.py::test_distillation_is_deterministic_given_the_seed",
+        "tests/strategies/test_dense.py::test_fmnist_federation_beats_the_fedavg_student_it_starts_from",
         *family_cells("dense"), *transformer_cells("dense", ("vit",)))),
     Target("co-boosting", ("fedavg", "ensemble", "client0"), (
-        "tests/test_co_boosting.py::"
+        "tests/strategies/test_co_boosting.py::"
         "test_distillation_is_deterministic_given_the_seed_and_leaves_the_global_rng",
-        "tests/test_co_boosting.py::test_fmnist_federation_beats_the_fedavg_of_the_same_uploads",
+        "tests/strategies/test_co_boosting.py::test_fmnist_federation_beats_the_fedavg_of_the_same_uploads",
         *family_cells("co-boosting"), *transformer_cells("co-boosting", ("vit",)))),
     Target("fens", ("fedavg", "ensemble", "client0"), (
-        "tests/test_fens.py::test_federated_rounds_match_brute_force_on_a_tiny_net",
-        "tests/test_fens.py::test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client",
+        "tests/strategies/test_fens.py::test_federated_rounds_match_brute_force_on_a_tiny_net",
+        "tests/strategies/test_fens.py::test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client",
         *family_cells("fens"), *transformer_cells("fens"))),
     Target("swa", ("fedavg", "client0"), (
-        "tests/test_swa.py::test_hand_built_two_clients_hos",
-        "tests/test_swa.py::test_one_shot_swa_and_its_replay",
-        "tests/test_swa.py::test_identical_clients_fuse_to_that_client",
+        "tests/strategies/test_swa.py::test_hand_built_two_clients_hos",
+        "tests/strategies/test_swa.py::test_one_shot_swa_and_its_replay",
+        "tests/strategies/test_swa.py::test_identical_clients_fuse_to_that_client",
         *family_cells("swa"), *transformer_cells("swa"))),
     Target("ams", ("fedavg", "ensemble", "client0"), (
-        "tests/test_ams.py::test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax",
-        "tests/test_ams.py::test_top_k_matches_a_per_sample_brute_force",
-        "tests/test_ams.py::test_cross_architecture_ams_runs_end_to_end",
+        "tests/strategies/test_ams.py::test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax",
+        "tests/strategies/test_ams.py::test_top_k_matches_a_per_sample_brute_force",
+        "tests/strategies/test_ams.py::test_cross_architecture_ams_runs_end_to_end",
         LIBRARY_FEDBENS, *family_cells("ams"), *transformer_cells("ams"))),
     Target("pfnm", ("fedavg", "client0"), (
-        "tests/test_pfnm.py::test_a_model_matched_with_its_permuted_copy_is_the_model",
-        "tests/test_pfnm.py::test_pfnm_beats_fedavg_on_hetero_label_fmnist")),
+        "tests/strategies/test_pfnm.py::test_a_model_matched_with_its_permuted_copy_is_the_model",
+        "tests/strategies/test_pfnm.py::test_pfnm_beats_fedavg_on_hetero_label_fmnist")),
     Target("ensemble", ("fedavg", "client0"), (
-        "tests/test_strategies.py::test_ensemble_holds_every_member_of_every_client",
-        "tests/test_strategies.py::"
+        "tests/strategies/test_strategies.py::test_ensemble_holds_every_member_of_every_client",
+        "tests/strategies/test_strategies.py::"
         "test_replay_reproduces_the_live_result_and_feeds_other_strategies",
         *family_cells("ensemble"), *transformer_cells("ensemble"))),
     Target("fedavg", ("client0",), (
-        "tests/test_strategies.py::test_fedavg_is_the_sample_weighted_mean",
-        "tests/test_strategies.py::"
+        "tests/strategies/test_strategies.py::test_fedavg_is_the_sample_weighted_mean",
+        "tests/strategies/test_strategies.py::"
         "test_replay_reproduces_the_live_result_and_feeds_other_strategies",
-        "tests/test_strategies.py::test_fedavg_of_identical_clients_is_that_client",
+        "tests/strategies/test_strategies.py::test_fedavg_of_identical_clients_is_that_client",
         *family_cells("fedavg"), *transformer_cells("fedavg"))),
     Target("fedprox", ("no-prox",), (
-        "tests/test_local_objectives.py::"
+        "tests/training/test_local_objectives.py::"
         "test_fedprox_mu_zero_is_fedavg_exactly_and_mu_reaches_the_clients",
-        "tests/test_local_objectives.py::test_fedprox_sends_mu_in_the_train_config")),
+        "tests/training/test_local_objectives.py::test_fedprox_sends_mu_in_the_train_config")),
 )
 
 MUTANTS = {

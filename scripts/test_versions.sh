@@ -12,15 +12,15 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 # everything that tests the library through its public API and needs neither `flwr run`
 # nor the App's data sets
-LIB_TESTS=(tests/test_accel.py tests/test_ams_toy.py tests/test_client_errors.py
-           tests/test_curvature.py tests/test_evaluation.py tests/test_fast_kron.py
-           tests/test_fuzz.py tests/test_gaussianity.py tests/test_hostile_uploads.py
-           tests/test_kernels.py tests/test_layers.py tests/test_library.py
-           tests/test_node_sampling.py tests/test_wire.py tests/test_real_models.py
-           tests/test_side_effects.py tests/test_training.py)
+LIB_TESTS=(tests/accel/test_accel.py tests/examples/test_ams_toy.py tests/flower/test_client_errors.py
+           tests/curvature/test_curvature.py tests/core/test_evaluation.py tests/curvature/test_fast_kron.py
+           tests/wire/test_fuzz.py tests/strategies/test_gaussianity.py tests/wire/test_hostile_uploads.py
+           tests/accel/test_kernels.py tests/test_layers.py tests/test_library.py
+           tests/flower/test_node_sampling.py tests/wire/test_wire.py tests/strategies/test_real_models.py
+           tests/test_side_effects.py tests/training/test_training.py)
 
 # the App under the newest flwr: every `flwr run` path (launch, replay, Ray errors, interrupt)
-APP_TESTS=(tests/test_e2e_flower.py tests/test_launch.py)
+APP_TESTS=(tests/app/test_e2e_flower.py tests/app/test_launch.py)
 ENVS="${FEDFUSION_VERSION_ENVS:-$HOME/.cache/fedfusion/version-envs}"
 
 run_end() {

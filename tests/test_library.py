@@ -200,7 +200,7 @@ def untrained_client_app(data: dict, client_id: int | None = None) -> ClientApp:
 
 def test_silent_node_and_duplicate_client_id_are_excluded_with_reasons(fmnist):
     """A node slower than round_timeout is excluded as silent; nodes claiming one client id
-    cannot replace each other's upload (tests/test_node_identity.py has the rules)."""
+    cannot replace each other's upload (tests/flower/test_node_identity.py has the rules)."""
     strategy = FedAvg(UserNet, num_clients=3, round_timeout=5.0)
     strategy.start(LocalGrid(untrained_client_app(fmnist), 3, delay={1: 6.0}))
     assert [u.client_id for u in strategy.uploads] == [100, 102]

@@ -21,12 +21,28 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_no_test_file_imports_another():
-    files = sorted(TESTS.glob("test_*.py")) + sorted((TESTS / "helpers").glob("*.py"))
-    test_modules = {path.stem for path in TESTS.glob("test_*.py")}
+    files = sorted(TESTS.rglob("test_*.py")) + sorted((TESTS / "helpers").glob("*.py"))
+    test_modules = {path.stem for path in TESTS.rglob("test_*.py")}
     offenders = {path.relative_to(TESTS).as_posix(): sorted(imported_modules(path) & test_modules)
                  for path in files}
     assert {k: v for k, v in offenders.items() if v} == {}
     assert len(files) > 50  # the glob found the suite
+
+
+def test_tests_sit_beside_the_package_they_test():
+    """tests/<package>/ mirrors fedfusion/<package>/ (plus app, deploy, examples, datasets and
+    training, the App's and the base's parts): a file's folder says what it tests, and two
+    test files never share a name (pytest imports them by name)."""
+    folders = {p.parent.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")}
+    package = TESTS.parent / "fedfusion"
+    known = {"core", "curvature", "accel", "wire", "flower", "strategies", "datasets"}
+    assert known <= {p.name for p in package.iterdir() if p.is_dir()}
+    assert folders <= known | {".", "app", "deploy", "examples", "training"}
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names))
+    top = {p.name for p in TESTS.glob("test_*.py")}
+    assert top <= {"test_layers.py", "test_library.py", "test_side_effects.py",
+                   "test_suite_hygiene.py"}  # the package as a whole
 
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):

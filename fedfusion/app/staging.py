@@ -3,7 +3,7 @@
 Flower 1.41 has no public API for which files a FAB holds: its include and exclude patterns
 live in ``flwr.supercore.constant``, an internal module. This module is the one place that
 imports it, so a Flower upgrade that moves them breaks here, and the staging test
-(``tests/test_launch.py``: the staged copy packs into the same FAB) says so.
+(``tests/app/test_launch.py``: the staged copy packs into the same FAB) says so.
 """
 
 from __future__ import annotations

@@ -94,13 +94,6 @@ class KronFactors:
     eigvals_in: torch.Tensor  # [r_A]
     eigvecs_in: torch.Tensor  # [in', r_A]
 
-    @property
-    def full_rank(self) -> bool:
-        return (
-            self.eigvecs_out.shape[0] == self.eigvecs_out.shape[1]
-            and self.eigvecs_in.shape[0] == self.eigvecs_in.shape[1]
-        )
-
     def likelihood_eigvals(self, temperature: float) -> torch.Tensor:
         """``outer(l_B, l_A) / T``, ``[r_B, r_A]``: eigenvalues of ``(B (x) A) / T``."""
         return torch.outer(self.eigvals_out, self.eigvals_in) / temperature

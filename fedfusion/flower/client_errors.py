@@ -115,7 +115,7 @@ def parse_client_error(reason: str) -> ClientError:
 
 
 #: Flower's error codes for replies the SuperLink (not the ClientApp) makes, as in
-#: ``flwr.common.constant.ErrorCode`` (tests/test_node_loss.py checks them against Flower's)
+#: ``flwr.common.constant.ErrorCode`` (tests/flower/test_node_loss.py checks them against Flower's)
 MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE = 3, 4, 5
 
 

@@ -5,8 +5,9 @@ The features of an input x are the K uploaded models' log-probabilities z(x) ``[
 (:func:`~fedfusion.strategies.fens.predictor.member_log_probs`), computed once per client on the
 rows it held out of local training. The aggregator g
 (:class:`~fedfusion.strategies.fens.predictor.LogitAggregator`) minimises the cross-entropy of
-softmax(g(z)) over every client's held-out rows, by federated rounds: each client takes ``epochs`` passes of SGD over its rows from the global g, the server
-moves g by the sample-weighted mean update Delta = sum_i n_i (g_i - g) / sum_i n_i:
+softmax(g(z)) over every client's held-out rows, by federated rounds: each client takes
+``epochs`` passes of SGD over its rows from the global g, the server moves g by the
+sample-weighted mean update Delta = sum_i n_i (g_i - g) / sum_i n_i:
 
 * ``fedavg``: g <- g + Delta;
 * ``fedadam`` (Reddi et al., ICLR 2021, FENS' choice): m <- b1 m + (1 - b1) Delta,

@@ -59,7 +59,7 @@ from fedfusion.datasets import write_partition_file
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "deploy-local.sh"
 COMMON = "train-subset=6000 local-epochs=5 alpha=1.0 val-size=200 num-members=1"
 #: one server thread: with torch's default (one per core) the FedBEns server's float

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ams_toy.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ams_toy.py"
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from helpers.doc_blocks import DOC, Block, shell_blocks
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KINDS = ("run", "env", "background", "restart", "stop", "skip", "external")
 #: the whole walkthrough (3 runs, 4 SuperNodes) took 100-130 s here; a hung step fails it
 BLOCK_TIMEOUT_S = 300

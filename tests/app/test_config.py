@@ -30,7 +30,7 @@ from fedfusion.core.predictors import ModelSpec
 from fedfusion.distillation import DistillOptions
 from fedfusion.strategies import STRATEGIES, FedAvg, FedProx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
 DOC = REPO / "docs" / "configuration.md"
 

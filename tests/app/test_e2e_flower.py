@@ -23,7 +23,7 @@ from fedfusion.app.processes import ProcessTracker
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMON = "num-clients=3 local-epochs=2 train-subset=9000 alpha=1.0 val-size=300"
 #: the smallest run that reaches the clients: 2 clients, 1 epoch on 200 rows each
 TINY = "num-clients=2 local-epochs=1 train-subset=400 alpha=1.0 val-size=100"

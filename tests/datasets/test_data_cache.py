@@ -99,7 +99,7 @@ def test_processes_building_the_cache_at_once_all_get_it(tmp_path: Path) -> None
               f"b = load_dataset('mnist', data_dir={str(data)!r}, val_size=5)\n"
               "print(float(b.train.x.double().sum()))\n")
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).resolve().parents[1])
+                              text=True, cwd=Path(__file__).resolve().parents[2])
              for _ in range(3)]
     sums = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs) and len(sums) == 1

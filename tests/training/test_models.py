@@ -4,8 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from fedfusion.models import available_models, build_model, count_parameters
+from fedfusion.models import available_models, build_model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize(("name", "shape", "params"), [

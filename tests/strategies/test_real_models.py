@@ -9,7 +9,7 @@ Three groups:
 * normalisation statistics: the recalibration against the batch statistics it estimates, and
   each strategy's rule.
 
-The strategy x model matrix on real Fashion-MNIST rows is tests/test_model_matrix.py.
+The strategy x model matrix on real Fashion-MNIST rows is tests/strategies/test_model_matrix.py.
 """
 
 from __future__ import annotations

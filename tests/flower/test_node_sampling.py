@@ -24,7 +24,7 @@ from fedfusion.flower.sampling import (
 from fedfusion.strategies import FedAvg
 from fedfusion.wire import encode_models
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeGrid:

@@ -23,7 +23,7 @@ from fedfusion.datasets import PartitionError, load_dataset
 from fedfusion.datasets.partition_file import read_partition_file, write_partition_file
 from fedfusion.server_app import run_server
 
-AUTHORS_SPLITS = Path(__file__).resolve().parents[2] / "shared" / "data" / \
+AUTHORS_SPLITS = Path(__file__).resolve().parents[3] / "shared" / "data" / \
     "fedbens-authors-splits.npz"
 FMNIST_ROWS = 60_000
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fedfusion"
+PACKAGE = Path(__file__).resolve().parents[2] / "fedfusion"
 
 
 def imported(path: Path) -> set[str]:

@@ -26,7 +26,7 @@ from fedfusion.strategies import FedAvg, UniformEnsemble
 from fedfusion.strategies.predictors import load_predictor
 from fedfusion.wire import ClientUpload
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
 

@@ -102,5 +102,5 @@ def test_a_kron_client_never_imports_laplace_torch() -> None:
         "assert upload.metrics['client-time-s'] >= upload.metrics['train-time-s']\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]

@@ -27,7 +27,7 @@ from fedfusion.datasets import partition_file as pf
 from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, open_no_follow, save_uploads
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ModelSpec("mlp", (1, 4, 4), 3, {"hidden_layers": 1, "hidden": 6})
 
 

@@ -55,7 +55,7 @@ from fedfusion.wire import (
     validation,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 def _meta(content: RecordDict, **changes: object) -> None:
     """Edit the upload's ``fedfusion.meta`` record (keys with dashes: pass a dict)."""
     meta = dict(content[META_KEY])

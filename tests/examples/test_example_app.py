@@ -17,7 +17,7 @@ from fedfusion.app.launch import launch
 
 pytestmark = FLOWER_PROCESSES  # run apart from the other tests (conftest.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "digits"
 
 

@@ -90,7 +90,7 @@ def test_split_is_identical_in_another_process(small_labels: np.ndarray) -> None
         "    parts = partition_indices(labels, scheme, 4, seed=9)\n"
         "    sys.stdout.write(repr([p.tolist() for p in parts]) + '\\n')\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     output = subprocess.run(
         [sys.executable, "-c", script],
         cwd=root,
