@@ -364,7 +364,8 @@ class StackedKron(StackedGaussians):
         wm = w.reshape(w.shape[0], out_dim, in_dim)
         if "b" in layer:
             uniform = self.uniform_delta[name]
-            return torch.cat([_KronQuadraticForm.apply(wm[runs[ps]], *factors, uniform)
+            return torch.cat([_KronQuadraticForm.apply(wm.index_select(0, runs[ps]), *factors,
+                                                         uniform)
                               for ps, factors in self._gathered(name, comps)])
         qb, qa = layer["qb"], layer["qa"]
         rank_b, rank_a = qb.shape[2], qa.shape[2]
@@ -378,7 +379,7 @@ class StackedKron(StackedGaussians):
         parts = []
         for ps in _chunks(len(runs), per_pair, self.max_chunk_bytes):
             k = comps[ps]
-            diff = wm[runs[ps]] - layer["mean"][k]
+            diff = wm.index_select(0, runs[ps]) - layer["mean"][k]
             qb_t, qa_k = qb[k].transpose(1, 2), qa[k]
             sand = (qb_t @ diff) @ qa_k if b_first else qb_t @ (diff @ qa_k)
             quad = (sand * sand * layer["eig"][k]).sum(dim=(-2, -1))
@@ -470,7 +471,7 @@ def _diag_pair_quadratic_form(
     per_pair = 3 * w_flat.shape[1] * w_flat.element_size()
     parts = []
     for ps in _chunks(len(runs), per_pair, max_bytes):
-        diff = w_flat[runs[ps]] - mean[comps[ps]]
+        diff = w_flat.index_select(0, runs[ps]) - mean[comps[ps]]
         parts.append((diff * diff * prec[comps[ps]]).sum(-1))
     return torch.cat(parts)
 

@@ -637,3 +637,29 @@ def test_server_never_imports_laplace_and_clients_import_it_once() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_pair_gradients_are_bit_identical_on_several_threads(structure, members, curvatures
+                                                              ) -> None:
+    """Many pairs share a run, so the gradient sums over them; a parallel atomic scatter
+    (the backward of ``w[runs]``) sums in a racy order and made FedBEns' server differ from
+    one replay of the same uploads to the next on 2 threads (float32, the server's dtype)."""
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures[structure], "cpu",
+                                            dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    runs, comps = torch.randint(0, 3, (2000,), generator=gen), torch.randint(0, 4, (2000,),
+                                                                             generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(6):
+            w = {n: v.float().requires_grad_(True)
+                 for n, v in points(members[1], 3, 0.05, 5).items()}
+            stacked.pair_quadratic_form(w, runs, comps).sum().backward()
+            grads.append(torch.cat([v.grad.reshape(-1) for v in w.values()]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])
