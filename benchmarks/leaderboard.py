@@ -4,8 +4,9 @@ Per cell, ONE live federation (in this process: fedfusion's own ClientApp throug
 ``InProcessGrid``): FedBEns with its defaults, M = 5 members per client, Kron curvature plus
 the diagonal and RegMean's Grams for the baselines, 20 local epochs, every client keeping
 10% of its rows out of local training (``holdout-fraction=0.1``, FENS' proxy set; every
-method of the cell is trained on the same 90%). Every other method is a replay of those
-uploads (``fedfusion.app.replay``); FENS' aggregator rounds run with the same clients in
+method of the cell is trained on the same 90%). Every method, FedBEns' defaults included (the
+live run predates changes of the defaults), is a replay of those uploads
+(``fedfusion.app.replay``); FENS' aggregator rounds run with the same clients in
 process. Iterative FedAvg with the same total local epochs (20 rounds of 1 epoch, one
 member) is the upper reference line.
 
@@ -21,7 +22,10 @@ Rows: ``benchmarks/results/leaderboard.json``, a list of
 ``{setting, alpha, clients, seed, method, accuracy, nll, ece, forward_passes,
 upload_bytes_per_client, download_bytes_per_client, rounds, server_s}``; accuracy in 0..1;
 methods as ``strategy=`` spells them, ``ensemble-K`` for the uniform ensemble of K members
-(member m of client c in the order m-major, c-minor: member 0 of every client first), and
+(member m of client c in the order m-major, c-minor: member 0 of every client first),
+``ensemble-selected-K`` for the K members greedy ensemble selection picks on the server's
+validation set (``ensemble-size=K``), ``fedbens-modes`` for FedBEns predicting with its
+modes (``fedbens-prediction=modes``), and
 ``<method>-distilled`` for one network distilled from that method's predictor
 (``distill='val'``). Plot: ``leaderboard.png``.
 """
@@ -52,7 +56,10 @@ EXTRA_SECTIONS = "curvature.diag,gram"
 PAPER_TABLE1 = {0.05: 59.89, 0.1: 75.91, 0.2: 79.03, 0.4: 84.42}
 #: method -> replay run-config changes (the cell's uploads; the live run is "fedbens")
 REPLAYS: dict[str, dict[str, Any]] = {
-    "fedbens-paper": {"strategy": "fedbens", "fedbens_starts": "median", "server_patience": 0},
+    "fedbens": {"strategy": "fedbens"},
+    "fedbens-modes": {"strategy": "fedbens", "fedbens_prediction": "modes"},
+    "fedbens-paper": {"strategy": "fedbens", "fedbens_starts": "median", "server_patience": 0,
+                      "fedbens_prediction": "modes"},
     "fedavg": {"strategy": "fedavg"},
     "fedfisher": {"strategy": "fedfisher"},
     "regmean": {"strategy": "regmean"},
@@ -131,10 +138,12 @@ def run_cell(setting: str, clients: int, alpha: float, seed: int, only: set[str]
     live = run(OUT / name, live_settings, strategy="fedbens", **values)
     if live.get("status") != "ok":
         return []
-    rows = [row_of(live, method="fedbens", **key)]
+    rows = []
     uploads = str(OUT / name / "uploads")
-    methods = {**REPLAYS, **{f"ensemble-{k}": ensemble_members(clients, k)
-                             for k in sorted({MEMBERS, 2 * MEMBERS}) if k < clients * MEMBERS}}
+    sizes = sorted(k for k in {MEMBERS, 2 * MEMBERS} if k < clients * MEMBERS)
+    methods = {**REPLAYS, **{f"ensemble-{k}": ensemble_members(clients, k) for k in sizes},
+               **{f"ensemble-selected-{k}": {"strategy": "ensemble", "ensemble_size": k}
+                  for k in sizes}}
     for method, changes in methods.items():
         if only and method not in only:
             continue

@@ -86,7 +86,7 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     Target("fedbens", ("fedavg", "ensemble", "client0"), (
         "tests/strategies/test_fedbens.py::test_member_starts_climb_from_every_member_to_a_mode_each",
-        "tests/strategies/test_fedbens.py::test_fedbens_on_real_fmnist_with_replay_and_client_removal",
+        "tests/strategies/test_fedbens.py::test_fedbens_and_selected_ensembles_on_real_fmnist_with_replay_and_client_removal",
         LIBRARY_FEDBENS, *family_cells("fedbens"), *transformer_cells("fedbens"))),
     Target("fedfisher", ("fedavg", "client0"), (
         "tests/strategies/test_fedfisher.py::test_kron_optimum_is_the_dense_minimiser",

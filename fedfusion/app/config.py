@@ -49,7 +49,8 @@ from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.distillation import DISTILL_EPOCHS
 from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.strategies.ams import TOP_K
-from fedfusion.strategies.fedbens.strategy import MODES, NUM_STARTS, PATIENCE
+from fedfusion.strategies.ensemble import SIZE
+from fedfusion.strategies.fedbens.strategy import MODES, NUM_STARTS, PATIENCE, PREDICTIONS
 from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
 
 
@@ -560,6 +561,14 @@ class Settings:
              "model (paper Table 7)"),
         valid=">= 0",
         check=MODES, strategy=(("fedbens", "modes"),))
+    fedbens_prediction: str = knob(
+        "selected",
+        doc=("FedBEns: what predicts. `modes` = the ensemble of the modes (the paper's); "
+             "`selected` = as many networks as modes, picked from the modes and the uploaded "
+             "members by greedy ensemble selection on the validation set (the modes without one; "
+             "[strategies.md](strategies.md))"),
+        valid="`selected` `modes`",
+        check=one_of(PREDICTIONS), strategy=(("fedbens", "prediction"),))
     fedfisher_steps: int = knob(
         2000,
         doc="FedFisher (kron or diag, from `hessian-structure`): optimisation steps",
@@ -751,6 +760,13 @@ class Settings:
         doc="its temperature tau",
         valid="finite, > 0",
         check=FINITE_POSITIVE)
+    ensemble_size: int = knob(
+        0,
+        doc=("Uniform ensemble: K, the members a prediction runs (0 = every member): the K that "
+             "greedy ensemble selection picks on the validation set, or without one member 0 of "
+             "every client first, then member 1, ..."),
+        valid=">= 0",
+        check=SIZE, strategy=(("ensemble", "size"),))
     ams_top_k: int = knob(
         1,
         doc=("AMS: 1 = AMS-top1 (highest max-logit model), k = sum of the top-k models' logits, 0 "

@@ -78,6 +78,7 @@ GROUPS: dict[str, str] = {
     "server-steps": "**FedBEns**",
     "fedfisher-steps": "**FedBEns' baselines**",
     "holdout-fraction": "**SWA, FedProx, contrastive clients**",
+    "ensemble-size": "**the uniform ensemble**",
     "ams-top-k": "**AMS and PFNM**",
     "output-dir": "**outputs and replay**",
 }

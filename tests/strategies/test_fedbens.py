@@ -280,13 +280,17 @@ def test_without_validation_the_run_length_is_server_steps_noval():
     assert strategy.report()["selection"] == "objective"
 
 
-def test_fedbens_on_real_fmnist_with_replay_and_client_removal(tmp_path):
+def test_fedbens_and_selected_ensembles_on_real_fmnist_with_replay_and_client_removal(tmp_path):
     """C=3, M=2, 2 epochs on a 9,000-sample real FMNIST subset, against the lazy answers on the
     same uploads (replayed): FedAvg of each member index (ensemble of the M averages, what a
     FedBEns without the mixture optimisation returns) must be beaten by 6 points, and the
     uniform ensemble of the 6 members (the other lazy answer: more accurate here, but badly
-    calibrated) by 0.08 nats of test NLL. Measured: FedBEns 66.8% / NLL 0.895, FedAvg of
-    each member 56.0% / 1.354, the ensemble 68.0% / 1.072, FedAvg of member 0 50.9%."""
+    calibrated) by 0.08 nats of test NLL; the default prediction (4 networks picked from the
+    4 modes and the 6 members on validation) must beat the modes' ensemble (the paper's
+    prediction) and 4 members taken in order, as must the uniform ensemble of the 4 members
+    picked on validation (``ensemble-size=4``). Measured: FedBEns 68.2% / NLL 0.909, its
+    modes 66.4% / 0.915, 4 members in order 65.1%, 4 members picked 67.8%, FedAvg of each
+    member 56.0% / 1.354, the ensemble of all 6 members 68.0% / 1.072."""
     from fedfusion.app.config import Settings
 
     settings = Settings(strategy="fedbens", num_clients=3, num_members=2, train_subset=9000,
@@ -298,9 +302,29 @@ def test_fedbens_on_real_fmnist_with_replay_and_client_removal(tmp_path):
                                          replay=uploads, run_name="fedavg"))
     ensemble = run_server(settings.replace(strategy="ensemble", replay=uploads,
                                            run_name="ensemble"))
-    print(live["test"], fedavg["test"], ensemble["test"])
-    assert live["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.06  # measured +10.8
-    assert live["test"]["nll"] <= ensemble["test"]["nll"] - 0.08  # measured -0.177
+    modes = run_server(settings.replace(fedbens_prediction="modes", replay=uploads,
+                                        run_name="modes"))
+    # as many members as the prediction runs (4), member 0 of every client first
+    as_many = run_server(settings.replace(strategy="ensemble", replay=uploads,
+                                          replay_client_members="2,1,1", run_name="as-many"))
+    picked = run_server(settings.replace(strategy="ensemble", replay=uploads, ensemble_size=4,
+                                         run_name="picked"))
+    print(live["test"], fedavg["test"], ensemble["test"], modes["test"], as_many["test"],
+          picked["test"])
+    assert live["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.06  # measured +12.3
+    assert modes["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.06  # measured +10.8
+    assert modes["test"]["nll"] <= ensemble["test"]["nll"] - 0.08  # measured -0.177
+    assert live["test"]["nll"] <= ensemble["test"]["nll"] - 0.08  # measured -0.163
+    # the default picks its 4 networks from the modes and the members on validation:
+    # above the modes alone and above 4 members taken in order
+    assert live["cost"]["forward_passes"] == modes["cost"]["forward_passes"] == 4
+    assert sum(live["strategy_report"]["prediction_networks"].values()) == 4
+    assert live["test"]["accuracy"] >= modes["test"]["accuracy"] + 0.008  # measured +1.8
+    assert live["test"]["accuracy"] >= as_many["test"]["accuracy"] + 0.015  # measured +3.1
+    # the same selection among the members alone (ensemble-size=4)
+    assert picked["strategy_report"]["selection"] == "validation"
+    assert picked["cost"]["forward_passes"] == 4
+    assert picked["test"]["accuracy"] >= as_many["test"]["accuracy"] + 0.015  # measured +2.7
     assert all(c["num_members"] == 2 for c in live["clients"])
     assert live["strategy_report"]["selection"] == "validation"
     replay = run_server(settings.replace(replay=str(tmp_path / "live" / "uploads"),

@@ -258,3 +258,18 @@ def test_initial_models_are_seeded_and_perturbed_around_member_0_on_request():
         assert spread.std() > 10 * noise.std()  # independent inits are far apart
     with pytest.raises(ValueError, match="init_perturbation"):
         FedAvg(SPEC, init_perturbation=-1.0)
+
+
+def test_ensemble_of_size_k_takes_member_0_of_every_client_first_without_validation():
+    uploads = [make_upload(0, members=2), make_upload(1, members=3, seed=1)]
+    strategy = UniformEnsemble(SPEC, num_clients=2, size=3)
+    predictor = strategy.fuse(uploads)
+    expected = [uploads[0].weights(0), uploads[1].weights(0), uploads[0].weights(1)]
+    assert len(predictor.members) == 3 and strategy.report()["selection"] == "order"
+    for model, weights in zip(predictor.members, expected, strict=True):
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, torch.from_numpy(weights[name]))
+    assert len(UniformEnsemble(SPEC, num_clients=2, size=5).fuse(uploads).members) == 5
+    with pytest.raises(ValueError, match="size"):
+        UniformEnsemble(SPEC, size=-1)
+

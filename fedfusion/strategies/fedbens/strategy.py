@@ -14,8 +14,8 @@ batched into one computation (each client's logsumexp evaluated on the members t
 weight at the current point: :class:`~fedfusion.strategies.fedbens.objective.MixtureObjective`),
 each keeping its best iterate on the server validation set (or, without one, the
 best-objective iterate after ``server-steps-noval`` = 100 steps, the paper's Appendix C.4
-protocol): see :mod:`fedfusion.strategies.fedbens.server_optim`. The prediction is the
-ensemble of the R modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)).
+protocol): see :mod:`fedfusion.strategies.fedbens.server_optim`. The paper's prediction is
+the ensemble of the R modes, p(y|x) = 1/R sum_r softmax(f(x; w_r)) (``prediction="modes"``).
 
 Departures from the reference code: the validation set is held out from the training data
 (the reference draws it from the clients' data); the starting iterate (step 0) is a
@@ -23,8 +23,12 @@ candidate of the model selection too. And by default (``starts="auto"``, ``patie
 the runs start at 2 max_c M_c representative members (the weighted K-medoids of all
 uploaded members) instead of the M medians, or, for a model with BatchNorm, at the
 per-member sample-weighted averages; and each run stops once its validation score has not
-improved in 4 evaluations, keeping its best iterate. ``starts="median", patience=0`` is the
-paper's algorithm.
+improved in 4 evaluations, keeping its best iterate; and the prediction
+(``prediction="selected"``) is the ensemble of R networks that greedy ensemble selection
+(:mod:`fedfusion.core.selection`) picks on the validation set from the R modes and the
+uploaded members: the modes are better one by one but agree with each other more than the
+members do, and the selection trades the two at the same R forward passes.
+``starts="median", patience=0, prediction="modes"`` is the paper's algorithm.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.normalization import has_running_stats
 from fedfusion.core.predictors import Ensemble
+from fedfusion.core.selection import select_networks
 from fedfusion.curvature import (
     STRUCTURES,
     StackedGaussians,
@@ -66,12 +71,14 @@ PATIENCE = Constraint(">= 0 (0 = run every step)", lambda v: v >= 0)
 NUM_STARTS = Constraint(f">= 0 (0 = {CLUSTERED_RUNS_PER_MEMBER} x the members per client)",
                         lambda v: v >= 0)
 MODES = Constraint(">= 0 (0 = every run)", lambda v: v >= 0)
+#: what FedBEns predicts with (see ``prediction``)
+PREDICTIONS = ("selected", "modes")
 
 log = logging.getLogger("fedfusion")
 
 
 class FedBEns(FusionStrategy):
-    """Mixture-of-Laplace global posterior, R batched Adam runs, ensemble of the modes.
+    """Mixture-of-Laplace global posterior, R batched Adam runs, an ensemble of R networks.
 
     Parameters
     ----------
@@ -124,6 +131,11 @@ class FedBEns(FusionStrategy):
         Keep only the first ``modes`` runs (0 = all): with ``starts="median"``, ``modes=1``
         predicts with the single mode from the members-0 median, as the paper's Table 7
         returns one model (with ``"clustered"``: the run from the heaviest cluster).
+    prediction : {"selected", "modes"}, default "selected"
+        ``"modes"``: the ensemble of the modes (the paper's). ``"selected"``: as many networks
+        as there are modes, picked from the modes and the uploaded members by greedy ensemble
+        selection on the validation set (:func:`~fedfusion.core.selection.greedy_selection`);
+        the modes without a validation set.
     dtype : torch.dtype, default torch.float32
         Precision of the server optimisation.
     cuda_graphs : bool, default True
@@ -152,6 +164,7 @@ class FedBEns(FusionStrategy):
         starts: str = "auto",
         num_starts: int = 0,
         modes: int = 0,
+        prediction: str = "selected",
         dtype: torch.dtype = torch.float32,
         cuda_graphs: bool = True,
         **kwargs: Any,
@@ -165,6 +178,11 @@ class FedBEns(FusionStrategy):
         PATIENCE.check("patience", patience)
         NUM_STARTS.check("num_starts", num_starts)
         MODES.check("modes", modes)
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
+        self.prediction = prediction
+        #: the networks the last prediction runs: modes and uploaded members
+        self.kept = {"modes": 0, "members": 0}
         self.starts, self.num_starts, self.modes = starts, num_starts, modes
         # without a validation set the last (best-objective) iterate is kept, so the run
         # length is the only stopping rule: the paper's 100 steps (Appendix C.4, Table 3)
@@ -240,7 +258,19 @@ class FedBEns(FusionStrategy):
         with self._phase("optimise"):
             modes = self.optimise(starts, stacked, owner, len(uploads))
         self.runs_used = len(starts)
-        return Ensemble([spec.build(mode) for mode in modes], [spec] * len(modes))
+        networks = [spec.build(mode) for mode in modes]
+        self.kept = {"modes": len(networks), "members": 0}
+        val = self.context.val
+        if self.prediction == "selected" and val is not None and len(val):
+            pool = networks + [m for u in uploads for m in self.context.member_models(u)]
+            with self._phase("selection"):
+                keep = select_networks(pool, val, len(networks), self.context.device)
+            networks = [pool[i] for i in keep]
+            self.kept = {"modes": sum(i < len(modes) for i in keep),
+                         "members": sum(i >= len(modes) for i in keep)}
+            log.info("[fedbens] prediction: %d mode(s) and %d uploaded member(s), picked on "
+                     "validation", self.kept["modes"], self.kept["members"])
+        return Ensemble(networks, [spec] * len(networks))
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -271,7 +301,8 @@ class FedBEns(FusionStrategy):
                 # what ran (the requested 0 = "auto" resolved): runs from as many starts,
                 # each run's best iterate a mode, one forward pass per mode
                 "starts": self.start_rule(), "num_starts": self.runs_used,
-                "modes": self.runs_used, "forward_passes": self.runs_used,
+                "modes": self.runs_used, "forward_passes": sum(self.kept.values()),
+                "prediction": self.prediction, "prediction_networks": dict(self.kept),
                 "num_starts_requested": self.num_starts, "modes_requested": self.modes,
                 "prior_var": self.prior_var,
                 "selection": "validation" if self.context.val is not None else "objective",
