@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("table1", "table2", "c100", "tables"))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--alphas", default="0.05,0.1,0.2,0.4")
+    parser.add_argument("--clients", default="10,20,40", help="table2's cells")
     parser.add_argument("--only", default="", help="methods to run (default: all)")
     args = parser.parse_args(argv)
     only = {m for m in args.only.split(",") if m}
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "table1":
             grid = [("table1", 5, float(a)) for a in args.alphas.split(",")]
         elif args.command == "table2":
-            grid = [("table2", c, 0.3) for c in (10, 20, 40)]
+            grid = [("table2", int(c), 0.3) for c in args.clients.split(",")]
         else:
             grid = [("c100", 100, 0.3)]
         for seed in seeds:
