@@ -12,7 +12,12 @@ defaults, 2M modes from 2M clustered starts, and its saved uploads), from the te
   how far each mode moved from its start, and its distance to the nearest member;
 * the number of modes (the first M of the 2M) and the prediction temperature (the modes'
   logits divided by tau before the softmax average);
-* what the validation selection picked: each run's best step (``run_stops``, scores).
+* what the validation selection picked: each run's best step (``run_stops``, scores);
+* prediction rules at 2M networks (FedBEns' ``prediction`` choices and the alternatives
+  measured against them): M modes + M members by the rule, greedy selection with replacement
+  on validation NLL, greedy selection without replacement on validation accuracy (FedBEns'
+  default, :mod:`fedfusion.core.selection`) from the modes and the members, and from the
+  members alone.
 
     .venv/bin/python benchmarks/fedbens_gap.py [--cells table1-C5_a0.1-s0,...]
 
@@ -34,6 +39,7 @@ from leaderboard import MEMBERS, OUT
 from fedfusion.app.config import Settings, default_model
 from fedfusion.app.federation import federated_split
 from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.selection import greedy_selection
 from fedfusion.server_app import replay_settings
 from fedfusion.strategies.fedbens.starts import clustered_starts
 from fedfusion.strategies.predictors import load_predictor
@@ -59,7 +65,11 @@ def analyse(cell: str) -> dict:
     spec = ModelSpec(default_model(settings, bundle.input_shape), bundle.input_shape,
                      bundle.num_classes, settings.parsed_model_kwargs())
     members = [spec.build(u.weights(m)) for u in uploads for m in range(u.num_members)]
-    modes = list(load_predictor(folder / "predictor.pt").members)
+    # the modes' own predictor: the fedbens-modes replay, else the live run (before 2026-11-28
+    # its default prediction was the modes)
+    modes_folder = OUT / f"{cell}-fedbens-modes"
+    modes = list(load_predictor((modes_folder if modes_folder.is_dir() else folder)
+                                / "predictor.pt").members)
     parameters = sorted(spec.param_shapes().parameters)
     starts = [spec.build(s) for s in clustered_starts(uploads, parameters, len(modes))]
     clients = len(uploads)
@@ -68,8 +78,8 @@ def analyse(cell: str) -> dict:
             if m < u.num_members][: 2 * MEMBERS]
 
     @torch.no_grad()
-    def logits(models: list[torch.nn.Module]) -> list[torch.Tensor]:
-        return [torch.cat([m.eval()(x[i:i + 2000]) for i in range(0, len(x), 2000)])
+    def logits(models: list[torch.nn.Module], inputs: torch.Tensor = x) -> list[torch.Tensor]:
+        return [torch.cat([m.eval()(inputs[i:i + 2000]) for i in range(0, len(inputs), 2000)])
                 for m in models]
 
     def ensemble(per_model: list[torch.Tensor], tau: float = 1.0) -> dict[str, float]:
@@ -87,6 +97,18 @@ def analyse(cell: str) -> dict:
 
     z_modes, z_starts, z_members, z_rule = logits(modes), logits(starts), logits(members), \
         logits(rule)
+    # the selections see validation only
+    v_pool = torch.stack([torch.log_softmax(z, 1)
+                          for z in logits(modes, bundle.val.x) + logits(members, bundle.val.x)])
+    t_pool = z_modes + z_members
+    picked = greedy_selection(v_pool, bundle.val.y, len(modes))
+    picked_members = greedy_selection(v_pool[len(modes):], bundle.val.y, len(modes))
+    with_replacement: list[int] = []  # greedy on validation NLL, a network may repeat
+    for _ in range(len(modes)):
+        nll = [float(-(torch.logsumexp(v_pool[with_replacement + [i]], 0) - math.log(
+            len(with_replacement) + 1))[torch.arange(len(bundle.val.y)), bundle.val.y].mean())
+            for i in range(len(v_pool))]
+        with_replacement.append(min(range(len(nll)), key=nll.__getitem__))
     v_modes, v_starts, v_members = ([flat(m) for m in ms] for ms in (modes, starts, members))
     dist = lambda a, b: float((a - b).norm())  # noqa: E731
     live = json.loads((folder / "results.json").read_text())
@@ -98,6 +120,13 @@ def analyse(cell: str) -> dict:
         **{f"modes_tau{tau:g}": ensemble(z_modes, tau) for tau in TEMPERATURES},
         "starts_ensemble": ensemble(z_starts), "rule_ensemble_2M": ensemble(z_rule),
         "all_members_ensemble": ensemble(z_members),
+        "prediction_rules_2M": {
+            "modes": ensemble(z_modes),
+            "M_modes_and_M_members_by_rule": ensemble(z_modes[:MEMBERS] + z_rule[:MEMBERS]),
+            "greedy_nll_with_replacement": ensemble([t_pool[i] for i in with_replacement]),
+            "selected_modes_and_members": ensemble([t_pool[i] for i in picked]),
+            "selected_members": ensemble([z_members[i] for i in picked_members]),
+            "selected_modes_kept": sum(i < len(modes) for i in picked)},
         "one_mode": single(z_modes), "one_start": single(z_starts),
         "one_member": single(z_members),
         "disagreement": {"modes": disagreement(z_modes), "starts": disagreement(z_starts),
