@@ -66,7 +66,8 @@ CELLS = [("c100_m5_s0", c) for c in (5, 10, 20, 40, 100)] + [("c200_m2_s0", 200)
 #: not improved in 2 evaluations; and the library's defaults (clustered starts, 2 x M runs,
 #: the same per-run stop)
 SERVER_CONFIGS = {"paper": PAPER_ALGORITHM,
-                  "median_patience2": f"{PAPER_STARTS} server-patience=2",
+                  "median_patience2": f"{PAPER_STARTS} server-patience=2 "
+                                      "fedbens-prediction='modes'",
                   "defaults": ""}
 SERVER_LABELS = {"paper": "paper's algorithm (300 steps)",
                  "median_patience2": "medians, per-run patience 2",
