@@ -130,7 +130,9 @@ class FedBEns(FusionStrategy):
     modes : int, default 0
         Keep only the first ``modes`` runs (0 = all): with ``starts="median"``, ``modes=1``
         predicts with the single mode from the members-0 median, as the paper's Table 7
-        returns one model (with ``"clustered"``: the run from the heaviest cluster).
+        returns one model (with ``"clustered"``: the run from the heaviest cluster); with
+        ``prediction="selected"`` that many networks are then picked from the kept modes and
+        the members (``modes=1``: the best single network on validation, mode or member).
     prediction : {"selected", "modes"}, default "selected"
         ``"modes"``: the ensemble of the modes (the paper's). ``"selected"``: as many networks
         as there are modes, picked from the modes and the uploaded members by greedy ensemble
