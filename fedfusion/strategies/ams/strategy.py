@@ -49,6 +49,10 @@ class AdaptiveModelSelection(UniformEnsemble):
     ----------
     top_k : int, default 1
         1 = AMS-top1, k = the sum of the top-k models' logits, 0 = all (AMS-full).
+    size : int, default 0
+        The members AMS selects among (0 = every member); K > 0 keeps the K members the
+        uniform ensemble's ``size`` keeps (picked by greedy ensemble selection of their
+        average on the validation set, else member 0 of every client first).
     """
 
     name = "ams"
@@ -58,14 +62,16 @@ class AdaptiveModelSelection(UniformEnsemble):
         super().__init__(model_fn, **kwargs)
         TOP_K.check("top_k", top_k)
         self.top_k = top_k
-
+        #: the models the last fusion's selector holds
+        self.num_models = 0
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         ensemble = super().fuse(uploads)
         assert isinstance(ensemble, Ensemble)
+        self.num_models = len(ensemble.members)
         return MaxLogitSelector(list(ensemble.members), ensemble.specs, self.top_k)
 
     def report(self) -> dict[str, Any]:
-        models = [u.num_members for u in self.uploads]
-        return {"top_k": self.top_k, "num_models": sum(models),
+        return {"top_k": self.top_k, "num_models": self.num_models, "size": self.size,
+                "selection": self.selection,
                 "architectures": sorted({f"{u.model}{u.model_kwargs}" for u in self.uploads})}
