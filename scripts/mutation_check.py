@@ -182,7 +182,9 @@ def _ensemble_fuse() -> Callable[[Any, Sequence[Any]], Any]:
     original = UniformEnsemble.fuse
 
     def fuse(self: Any, uploads: Sequence[Any]) -> Any:
-        return original(self, uploads)
+        ensemble = UniformEnsemble(self.context.model_spec)  # every member: size 0
+        ensemble.context = self.context  # the same spec, device, validation set and seed
+        return original(ensemble, uploads)
 
     return fuse
 
