@@ -46,14 +46,15 @@ alike (``log_softmax`` removes the constant). The inputs (``mode``):
   a model whose inputs are integers (token ids) or bool cannot be fed them, so
   ``"synthetic"`` with non-float validation inputs is refused (use ``"val"``).
 
-The student starts where the caller built it (the Fusion core: the sample-weighted FedAvg
-of the clients' first members when they share the broadcast architecture, as DENSE's
-student, else a fresh seeded init) and is optimised by Adam (lr ``lr``) in train mode. After
-every epoch (and before the first) it is scored on the CLEAN validation set in eval mode
-(accuracy, then -NLL) and the best iterate is kept, the start included; without a validation
-set the last iterate is returned. Note the bias: in ``"val"`` mode the student was fitted on
-these very inputs (to the teacher's outputs, not their labels), so its validation accuracy
-tends towards the teacher's and overstates its test accuracy; it still ranks iterates.
+The student starts where the caller built it (the Fusion core: the best-validated, by
+:func:`pick_start`, of the sample-weighted FedAvg of the clients' first members and the
+networks of an ensemble teacher, else a fresh seeded init) and is optimised by Adam (lr
+``lr``) in train mode. After every epoch (and before the first) it is scored on the CLEAN
+validation set in eval mode (accuracy, then -NLL) and the best iterate is kept, the start
+included; without a validation set the last iterate is returned. Note the bias: in
+``"val"`` mode the student was fitted on these very inputs (to the teacher's outputs, not
+their labels), so its validation accuracy tends towards the teacher's and overstates its
+test accuracy; it still ranks iterates.
 
 Randomness (batch order, shifts, mixup, generator noise) comes from a ``torch.Generator``
 seeded by ``seed``; anything drawing from torch's global RNG inside (dropout) runs in a
@@ -70,7 +71,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -208,6 +209,23 @@ def _score(model: nn.Module, val: Any, device: torch.device) -> dict[str, float]
         model.train(was_training)
     return {"accuracy": float((log_probs.argmax(1) == val.y).float().mean()),
             "nll": float(F.nll_loss(log_probs, val.y))}
+
+
+def pick_start(candidates: Sequence[tuple[str, nn.Module]], val: Any,
+               device: torch.device | str = "cpu") -> tuple[str, nn.Module, dict[str, Any]]:
+    """The student's start among ``candidates`` (name, network): the one with the highest
+    clean validation accuracy, ties to the lower NLL, then to the earlier candidate; without
+    a validation set the first. Returns its name, the network and every candidate's score.
+    The candidates were not fitted on ``val``, so these scores are unbiased."""
+    if not candidates:
+        raise ValueError("pick_start needs at least one candidate network")
+    if val is None or not len(val.y) or len(candidates) == 1:
+        return candidates[0][0], candidates[0][1], {}
+    device = torch.device(device)
+    scores = {name: _score(model.to(device), val, device) for name, model in candidates}
+    best = max(range(len(candidates)), key=lambda i: (
+        scores[candidates[i][0]]["accuracy"], -scores[candidates[i][0]]["nll"], -i))
+    return candidates[best][0], candidates[best][1], scores
 
 
 @contextmanager

@@ -255,6 +255,7 @@ def distill_results(report: dict[str, Any], teacher_test: dict[str, float],
     options = report.get("options", {})
     return {"mode": options.get("mode"), "options": options,
             "student_init": report.get("student_init"),
+            "student_init_val": report.get("student_init_val", {}),
             "selection": report.get("selection"), "best_epoch": report.get("best", {}).get(
                 "epoch"), "seconds": report.get("seconds"),
             "teacher": {"test": teacher_test, "val": report.get("teacher_val")},

@@ -468,7 +468,8 @@ class Settings:
              "`results.json` `distill`) is distilled into one network of the run's `model` on the "
              "server's validation inputs, augmented (labels pick the best epoch only); "
              "`synthetic` = on DENSE's generator's images, no data; the student starts from the "
-             "FedAvg of the clients' first members"),
+             "best-validated of the FedAvg of the clients' first members and the teacher's "
+             "networks"),
         valid="`none` `val` (needs `server-validation=true`, validation rows) `synthetic`",
         check=one_of(_distill_modes), strategy=((EVERY, "distill"),))
     distill_epochs: int = knob(

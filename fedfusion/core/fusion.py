@@ -47,7 +47,7 @@ from fedfusion.core.normalization import NORM_STATS, recalibrate, running_stat_l
 from fedfusion.core.predictors import Ensemble
 from fedfusion.core.screening import capped_reason, chance_check, screen_uploads
 from fedfusion.core.state import state_arrays
-from fedfusion.distillation import DistillOptions, distil
+from fedfusion.distillation import DistillOptions, distil, pick_start
 from fedfusion.sections import SECTIONS, SectionTable
 from fedfusion.wire import (
     DEFAULT_LIMITS,
@@ -155,8 +155,9 @@ FUSION_PARAMETERS = """
         One network out of the fused predictor (:mod:`fedfusion.distillation`): "val"
         distils it (the teacher, kept as :attr:`distill_teacher`) into one network of the broadcast
         architecture on ``val``'s inputs (augmented; labels only pick the best iterate),
-        "synthetic" on DENSE's generator's images; the student starts from the FedAvg of
-        the clients' first members where they share the architecture, else a seeded init.
+        "synthetic" on DENSE's generator's images; the student starts from the
+        best-validated of the FedAvg of the clients' first members and the teacher's
+        networks of the broadcast architecture, else a seeded init.
         Integer inputs (token ids): "val" without augmentation; "synthetic" is refused
         (it generates float images).
     distill_epochs : int, default 30
@@ -389,21 +390,34 @@ class Fusion(ABC):
 
     def _distil(self, teacher: nn.Module, uploads: Sequence[ClientUpload]) -> nn.Module:
         """``teacher`` distilled into one network of the broadcast architecture
-        (:func:`fedfusion.distillation.distil`), starting from the sample-weighted FedAvg of
-        the first members of the clients on that architecture (where there are any; else a
-        fresh init seeded by ``seed``); the report in :attr:`distill_report`."""
+        (:func:`fedfusion.distillation.distil`); the report in :attr:`distill_report`.
+
+        The student starts from the best-validated of (:func:`~fedfusion.distillation.pick_start`):
+        the sample-weighted FedAvg of the clients' first members on that architecture, and
+        each network of an ensemble teacher on it (FedBEns' modes, the members), copied; a
+        fresh init seeded by ``seed`` when there is none of them."""
         from fedfusion.core.state import weighted_average
 
         spec = self.context.model_spec
         same = [u for u in uploads if spec.same_architecture(u.model, u.model_kwargs)]
+        candidates: list[tuple[str, nn.Module]] = []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.context.seed)
-            student = spec.build(weighted_average([u.weights(0) for u in same],
-                                                  [u.num_examples for u in same])
-                                 if same else None)
+            if same:
+                candidates.append(("fedavg", spec.build(weighted_average(
+                    [u.weights(0) for u in same], [u.num_examples for u in same]))))
+            if isinstance(teacher, Ensemble):
+                candidates += [(f"teacher network {i}", spec.build(state_arrays(network)))
+                               for i, (network, network_spec) in enumerate(
+                                   zip(teacher.members, teacher.specs, strict=True))
+                               if spec.same_architecture(network_spec.name,
+                                                         network_spec.kwargs)]
+            if not candidates:
+                candidates.append(("random", spec.build(None)))
+        init, student, scores = pick_start(candidates, self.context.val, self.context.device)
         result = distil(teacher, student, self.context.val, self.distill_options,
                         self.context.device, spec.input_shape)
-        self.distill_report = {"student_init": "fedavg" if same else "random",
+        self.distill_report = {"student_init": init, "student_init_val": scores,
                                **result.report}
         return Ensemble([result.student], [spec])
 

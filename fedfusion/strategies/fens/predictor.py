@@ -14,20 +14,27 @@ from fedfusion.models import check_int
 
 
 class LogitAggregator(nn.Module):
-    """FENS' aggregator over K models' log-probabilities ``z`` ``[B, K, C]``:
+    """FENS' aggregator over K models' log-probabilities ``z`` ``[B, K, C]``, ``p_k = exp z_k``:
 
-        g(z) = sum_k a_k * z_k + b + W_2 relu(W_1 vec(z) + c_1) + c_2,
+        g(z)_c = s * ( log sum_k pi_kc p_kc + (1/K) sum_k a_kc z_kc + b_c + h(z)_c ),
+        pi_kc = exp(m_kc) / sum_j exp(m_jc),   h(z) = W_2 relu(W_1 vec(z) + c_1) + c_2.
 
-    ``a_k`` a per-class weight vector of model k (the per-model weighting), the second part
-    a shallow network over the concatenated outputs (FENS' own aggregator; ``hidden = 0``
-    leaves it out). At initialisation ``a_k = 1/K``, ``b = 0`` and ``W_2 = c_2 = 0``: g starts
-    as the mean of the models' log-probabilities, so training starts from the ensemble."""
+    The first term is a per-class mixture of the models (how far model k is trusted on class
+    c), the second a per-class product of experts (a model that gives class c a low
+    probability can veto it, which experts on a few classes need at strong label skew), h
+    FENS' shallow network over the concatenated outputs (``hidden = 0`` leaves it out) and
+    s = 1/T the temperature :meth:`FENS.calibrate` sets. At initialisation m = a = b = 0,
+    W_2 = c_2 = 0 and s = 1, so g(z) = log((1/K) sum_k p_k): training starts from the uniform
+    ensemble itself. The 1/K keeps a step of the server's per-parameter optimiser (FedAdam)
+    on ``a`` as large, relative to the output, at 100 models as at 5."""
 
     def __init__(self, num_models: int, num_classes: int, hidden: int = 0):
         super().__init__()
         self.num_models, self.num_classes, self.hidden_size = num_models, num_classes, hidden
-        self.weights = nn.Parameter(torch.full((num_models, num_classes), 1.0 / num_models))
+        self.mixture = nn.Parameter(torch.zeros(num_models, num_classes))
+        self.weights = nn.Parameter(torch.zeros(num_models, num_classes))
         self.bias = nn.Parameter(torch.zeros(num_classes))
+        self.register_buffer("scale", torch.ones(()))
         if hidden:
             self.hidden = nn.Linear(num_models * num_classes, hidden)
             self.out = nn.Linear(hidden, num_classes)
@@ -35,10 +42,11 @@ class LogitAggregator(nn.Module):
             nn.init.zeros_(self.out.bias)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        logits = (z * self.weights).sum(1) + self.bias
+        logits = (torch.logsumexp(torch.log_softmax(self.mixture, 0) + z, 1)
+                  + (z * self.weights).sum(1) / self.num_models + self.bias)
         if self.hidden_size:
             logits = logits + self.out(torch.relu(self.hidden(z.flatten(1))))
-        return logits
+        return self.scale * logits
 
 
 def member_log_probs(models: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ fraction ``holdout_fraction`` of its rows (sent in the train config as ``holdout
 and uploads them. The K = sum_c M_c uploaded models then go to every client once; each
 computes their log-probabilities z(x) ``[K, C]`` on its held-out rows, keeps them, and from
 then on each aggregator round moves only the aggregator g
-(:class:`~fedfusion.strategies.fens.predictor.LogitAggregator`: per-model class weights, plus
-FENS' shallow network over the concatenated outputs when ``hidden > 0``) by local SGD and a
-server step
-(:mod:`fedfusion.strategies.fens.training`). g starts as the mean of the models'
-log-probabilities; the server scores it on its validation set after every round and keeps
+(:class:`~fedfusion.strategies.fens.predictor.LogitAggregator`: a per-class mixture and a
+per-class product of the models, plus FENS' shallow network over the concatenated outputs
+when ``hidden > 0``) by local SGD and a server step
+(:mod:`fedfusion.strategies.fens.training`). g starts as the uniform ensemble (the mean of
+the models' probabilities); the server scores it on its validation set after every round and keeps
 the best, stopping after ``patience`` rounds without improvement (or ``rounds`` in all).
 Prediction: softmax(g(z(x))), one forward pass of every uploaded model.
 """
@@ -81,7 +81,7 @@ class FENS(FusionStrategy):
         FENS paper's proxy ratio); sent to the clients in round 1.
     hidden : int, default 0
         Width of the aggregator's shallow network over the concatenated outputs (FENS'
-        own aggregator: 2K); 0 keeps the per-model class weighting alone.
+        own aggregator: 2K); 0 keeps the per-class mixture and product of the models alone.
     rounds : int, default 100
         At most this many aggregator rounds.
     patience : int, default 10
@@ -143,8 +143,8 @@ class FENS(FusionStrategy):
 
     # ------------------------------------------------------------------ round 1
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
-        """The uploaded models under the initial aggregator (the mean of their
-        log-probabilities); :meth:`train_aggregator` trains it."""
+        """The uploaded models under the initial aggregator (their uniform ensemble);
+        :meth:`train_aggregator` trains it."""
         models: list[nn.Module] = []
         specs: list[ModelSpec] = []
         if self.fedbens is not None:
@@ -249,21 +249,19 @@ class FENS(FusionStrategy):
 
     def calibrate(self) -> float:
         """Temperature scaling of the trained aggregator on the validation set: g <- g / T
-        with T minimising the validation NLL (a grid over log T, then folded into g's
-        output-side parameters, which are linear in it); the arg-max, so the accuracy, is
-        unchanged. Returns T (1 without a validation set)."""
+        with T minimising the validation NLL (a grid over log T, kept as the aggregator's
+        ``scale`` = 1/T); the arg-max, so the accuracy, is unchanged. Returns T (1 without
+        a validation set)."""
         if self._val_features is None or self.aggregator is None:
             return 1.0
         labels = self.context.val.y.long()  # type: ignore[union-attr]
         with torch.no_grad():
-            logits = self.aggregator(self._val_features)
+            logits = self.aggregator(self._val_features) / self.aggregator.scale
             grid = torch.logspace(-1.5, 1.5, 61, dtype=torch.float64)
             nll = torch.stack([torch.nn.functional.cross_entropy(logits.double() / t, labels)
                                for t in grid])
             temperature = float(grid[int(nll.argmin())])
-            for name in ("weights", "bias", *(("out.weight", "out.bias")
-                                              if self.hidden else ())):
-                self.aggregator.get_parameter(name).div_(temperature)
+            self.aggregator.scale.fill_(1.0 / temperature)
         self.temperature = temperature
         return temperature
 
