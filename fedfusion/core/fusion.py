@@ -406,15 +406,16 @@ class Fusion(ABC):
             if same:
                 candidates.append(("fedavg", spec.build(weighted_average(
                     [u.weights(0) for u in same], [u.num_examples for u in same]))))
-            if isinstance(teacher, Ensemble):
-                candidates += [(f"teacher network {i}", spec.build(state_arrays(network)))
+            if isinstance(teacher, Ensemble):  # scored in place; only the pick is copied
+                candidates += [(f"teacher network {i}", network)
                                for i, (network, network_spec) in enumerate(
                                    zip(teacher.members, teacher.specs, strict=True))
                                if spec.same_architecture(network_spec.name,
                                                          network_spec.kwargs)]
             if not candidates:
                 candidates.append(("random", spec.build(None)))
-        init, student, scores = pick_start(candidates, self.context.val, self.context.device)
+        init, start, scores = pick_start(candidates, self.context.val, self.context.device)
+        student = spec.build(state_arrays(start)) if init.startswith("teacher") else start
         result = distil(teacher, student, self.context.val, self.distill_options,
                         self.context.device, spec.input_shape)
         self.distill_report = {"student_init": init, "student_init_val": scores,
