@@ -679,6 +679,13 @@ class Settings:
         doc="Co-Boosting: weight steps per iteration (0 = the uniform logit ensemble)",
         valid=">= 0 **[start]**",
         strategy=(("co-boosting", "weight_steps"),))
+    co_boosting_weight_selection: str = knob(
+        "validation",
+        doc=("Co-Boosting: `validation` keeps a weight step only if the weighted teacher's NLL "
+             "on the server's validation set does not rise; `none` keeps every step (the "
+             "authors')"),
+        valid="`validation` `none` **[start]**",
+        strategy=(("co-boosting", "weight_selection"),))
     holdout_fraction: float = knob(
         0.0,
         doc=("fraction of each client's rows kept out of local training, for strategies trained "

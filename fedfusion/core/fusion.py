@@ -415,7 +415,7 @@ class Fusion(ABC):
             if not candidates:
                 candidates.append(("random", spec.build(None)))
         init, start, scores = pick_start(candidates, self.context.val, self.context.device)
-        student = spec.build(state_arrays(start)) if init.startswith("teacher") else start
+        student = spec.build(state_arrays(start))  # a copy: the teacher's networks stay as they are
         result = distil(teacher, student, self.context.val, self.distill_options,
                         self.context.device, spec.input_shape)
         self.distill_report = {"student_init": init, "student_init_val": scores,

@@ -29,10 +29,17 @@ Per iteration t, with members f_1..f_K (every member of every client):
 
       w <- clip(w - mu_t sign(grad_w CE(t_w(x^), y)), 0, 1),   mu_t = weight_lr * weight_decay^t;
 
+* a weight step is kept only if it does not raise the weighted teacher's NLL on the
+  server's validation set (``weight_selection="validation"``; ``"none"``, or no validation
+  set, keeps every step as the authors do);
 * the student takes DENSE's ``s_steps`` SGD steps on T^2 KL(t_w(x^) || s(x^)) over fresh
   hard batches x^, the teacher evaluated with the current weights (no cached logits).
 
-The server's validation labels only select the best iterate, as in DENSE. Departures from
+The server's validation labels only select: the student's best iterate, as in DENSE, and
+which proposed weight steps are kept (no gradient is taken on them). The check is there
+because a signed step of mu is a large part of a uniform weight 1/K when K is large: with
+many clients the kept-every-step weights zero out whole clients and the teacher falls below
+the uniform ensemble (benchmarks/docs/leaderboard.md). Departures from
 the authors' code (rong-dai/Co-Boosting, ``COBOOSTSynthesizer`` + ``cb_kd_train``), besides
 DENSE's own (persistent conditional generator, bounded pool): the weights take
 ``weight_steps`` steps per iteration on perturbed pool batches (the authors: one pass over
@@ -57,6 +64,7 @@ from fedfusion.synthesis import SamplePool, kl_teacher_student
 from fedfusion.wire import ClientUpload
 
 PERTURBATIONS = ("ods", "kl")
+WEIGHT_SELECTIONS = ("validation", "none")
 #: softmax temperature of the ODS objective (the authors' code)
 ODS_TEMPERATURE = 4.0
 
@@ -124,6 +132,9 @@ class CoBoosting(Dense):
         Ensemble-weight step mu and its per-iteration decay (the authors' mu and wdc).
     weight_steps : int, default 1
         Weight steps per iteration, each on a fresh hard batch (0 = uniform ensemble).
+    weight_selection : {"validation", "none"}, default "validation"
+        Keep a weight step only if the weighted teacher's validation NLL does not rise, or
+        keep every step (the authors'; also what happens without a validation set).
     epochs, batch_size, latent_dim, g_lr, s_lr, g_steps, s_steps, adv_weight, act_weight, \
 stats_term, student_init, generator_width, temperature, data_range, pool_batches, adv_mask, \
 eval_fraction
@@ -143,11 +154,15 @@ eval_fraction
         weight_lr: float = 0.01,
         weight_decay: float = 0.99,
         weight_steps: int = 1,
+        weight_selection: str = "validation",
         **kwargs: Any,
     ):
         super().__init__(model_fn, **kwargs)
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"perturbation {perturbation!r}: choose one of {PERTURBATIONS}")
+        if weight_selection not in WEIGHT_SELECTIONS:
+            raise ValueError(f"weight_selection {weight_selection!r}: choose one of "
+                             f"{WEIGHT_SELECTIONS}")
         if min(epsilon, perturb_steps, hardness, weight_lr, weight_decay, weight_steps) < 0:
             raise ValueError("co-boosting needs epsilon, perturb_steps, hardness, weight_lr, "
                              "weight_decay, weight_steps >= 0")
@@ -155,14 +170,36 @@ eval_fraction
         self.hardness = hardness
         self.weight_lr, self.weight_decay, self.weight_steps = (weight_lr, weight_decay,
                                                                 weight_steps)
+        self.weight_selection = weight_selection
         #: the client id of each teacher member, in the order of the weights
         self.member_clients: list[int] = []
         self.teacher: WeightedLogitEnsemble | None = None
+        #: the members' validation logits [K, N, C] and labels, when steps are checked
+        self._val: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the weighted teacher's validation NLL: uniform, then after the last kept step
+        self.teacher_val_nll: dict[str, float] = {}
+        self.weight_steps_kept = self.weight_steps_proposed = 0
 
     def build(self, uploads: Sequence[ClientUpload]) -> None:
         super().build(uploads)
+        assert self.teacher is not None
         self.member_clients = [u.client_id for u in uploads
                                for _ in self.context.member_models(u)]
+        val = self.context.val
+        self._val, self.teacher_val_nll = None, {}
+        self.weight_steps_kept = self.weight_steps_proposed = 0
+        if self.weight_selection == "validation" and val is not None and len(val):
+            with torch.no_grad():
+                logits = torch.cat([self.teacher.member_logits(val.x[i:i + 2000].to(
+                    self.context.device)) for i in range(0, len(val), 2000)], 1)
+            self._val = logits, val.y.to(self.context.device)
+            self.teacher_val_nll["uniform"] = self.teacher_val_nll["kept"] = (
+                self._val_nll(self.teacher.w))
+
+    def _val_nll(self, w: torch.Tensor) -> float:
+        assert self._val is not None
+        logits, y = self._val
+        return F.cross_entropy(mix_logits(logits, w), y).item()
 
     def make_teacher(self, members: Sequence[nn.Module], bn_stats: bool
                      ) -> WeightedLogitEnsemble:
@@ -209,6 +246,13 @@ eval_fraction
             with torch.no_grad():
                 member_logits = self.teacher.member_logits(x)
             w, parts["w_ce"] = reweight_step(member_logits, y, self.teacher.w, lr)
+            self.weight_steps_proposed += 1
+            if self._val is not None:
+                nll = self._val_nll(w)
+                if nll > self.teacher_val_nll["kept"]:
+                    continue
+                self.teacher_val_nll["kept"] = nll
+            self.weight_steps_kept += 1
             self.teacher.w.copy_(w)
         return parts
 
@@ -232,4 +276,8 @@ eval_fraction
                 "perturb_steps": self.perturb_steps, "perturbation": self.perturbation,
                 "hardness": self.hardness, "weight_lr": self.weight_lr,
                 "weight_decay": self.weight_decay, "weight_steps": self.weight_steps,
+                "weight_selection": self.weight_selection if self._val is not None else "none",
+                "weight_steps_kept": self.weight_steps_kept,
+                "weight_steps_proposed": self.weight_steps_proposed,
+                "teacher_val_nll": self.teacher_val_nll,
                 "client_weights": weights, "member_clients": self.member_clients}
