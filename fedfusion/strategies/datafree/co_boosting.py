@@ -190,8 +190,7 @@ eval_fraction
         self.weight_steps_kept = self.weight_steps_proposed = 0
         if self.weight_selection == "validation" and val is not None and len(val):
             with torch.no_grad():
-                logits = torch.cat([self.teacher.member_logits(val.x[i:i + 2000].to(
-                    self.context.device)) for i in range(0, len(val), 2000)], 1)
+                logits = self.in_chunks(self.teacher.member_logits, val.x, dim=1)
             self._val = logits, val.y.to(self.context.device)
             self.teacher_val_nll["uniform"] = self.teacher_val_nll["kept"] = (
                 self._val_nll(self.teacher.w))

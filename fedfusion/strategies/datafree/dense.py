@@ -464,12 +464,17 @@ adv_mask, eval_fraction
         was_training = self.student.training
         self.student.eval()  # BatchNorm: score with (and leave) the running statistics
         try:
-            logits = torch.cat([self.student(val.x[i:i + 2000].to(self.context.device)).cpu()
-                                for i in range(0, len(val), 2000)])
+            logits = self.in_chunks(self.student, val.x).cpu()
         finally:
             self.student.train(was_training)
         metrics = classification_metrics(torch.log_softmax(logits.float(), 1), val.y)
         return {"val_accuracy": metrics["accuracy"], "val_nll": metrics["nll"]}
+
+    def in_chunks(self, fn: Any, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``fn`` over ``x`` in chunks of 2000 rows on the server device, concatenated along
+        ``dim`` (bounds the activations of a large validation set)."""
+        return torch.cat([fn(x[i:i + 2000].to(self.context.device))
+                          for i in range(0, len(x), 2000)], dim)
 
     def _better(self, entry: dict[str, float]) -> bool:
         if "val_accuracy" not in entry:
