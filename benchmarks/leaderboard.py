@@ -16,7 +16,7 @@ Dirichlet split of our own). Resumable: a finished live run or replay is reused.
 
     .venv/bin/python benchmarks/leaderboard.py table1 --seeds 0,1,2
     .venv/bin/python benchmarks/leaderboard.py table2 --seeds 0
-    .venv/bin/python benchmarks/leaderboard.py tables     # the tables and the plot
+    .venv/bin/python benchmarks/leaderboard.py tables     # the table, the targets, the plot
 
 Rows: ``benchmarks/results/leaderboard.json``, a list of
 ``{setting, alpha, clients, seed, method, accuracy, nll, ece, forward_passes,
@@ -33,6 +33,7 @@ modes (``fedbens-prediction=modes``), and
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import statistics
@@ -41,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO, cell
+from common import REPO
 
 from fedfusion.app.config import Settings
 from fedfusion.app.inprocess import InProcessGrid
@@ -73,9 +74,10 @@ REPLAYS: dict[str, dict[str, Any]] = {
     "fedbens-distilled": {"strategy": "fedbens", "distill": "val"},
     "fens-distilled": {"strategy": "fens", "distill": "val"},
 }
-#: budget groups of the tables: one forward pass, about M, all members
-BUDGETS = ("1", "M to 2M", "all members")
-
+#: the budget groups of the table, in its order
+BUDGETS = ("upper line", "1 network", f"{MEMBERS} networks (M)", f"{2 * MEMBERS} networks (2M)",
+           "every member")
+SHORT = {"table1": "T1", "table2": "T2", "c100": "C100"}
 
 def settings_of(setting: str, clients: int, alpha: float, seed: int) -> dict[str, Any]:
     """The live run's data and training settings of a cell."""
@@ -174,29 +176,81 @@ def load() -> list[dict]:
 
 
 def budget(row: dict) -> str:
+    if row["method"] == "fedavg-iterative":
+        return BUDGETS[0]
     passes = row["forward_passes"] or 0
     if passes <= 1:
-        return BUDGETS[0]
-    return BUDGETS[1] if passes <= 2 * MEMBERS else BUDGETS[2]
+        return BUDGETS[1]
+    if passes <= 2 * MEMBERS:
+        return BUDGETS[2] if passes <= MEMBERS else BUDGETS[3]
+    return BUDGETS[4]
 
 
 def print_tables(rows: list[dict]) -> None:
-    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows})
-    methods = sorted({r["method"] for r in rows})
-    head = " | ".join(f"{s} C={c} a={a:g}" for s, c, a in cells_)
-    print(f"\ntest accuracy %, mean +- sd (seeds), by inference budget\n| budget | method | "
-          f"{head} | passes (first cell) | up / down MB per client | rounds |")
-    print("|---|---|" + "---|" * len(cells_) + "---|---|---|")
-    order = {b: i for i, b in enumerate(BUDGETS)}
-    for method in sorted(methods, key=lambda m: (order[budget(next(
-            r for r in rows if r["method"] == m))], m)):
-        mine = [r for r in rows if r["method"] == method]
-        values = [cell([100 * r["accuracy"] for r in mine
-                        if (r["setting"], r["clients"], r["alpha"]) == c]) for c in cells_]
-        first = mine[0]
-        print(f"| {budget(first)} | {method} | " + " | ".join(values)
-              + f" | {first['forward_passes']} | {first['upload_bytes_per_client'] / 1e6:.2f} /"
-              f" {first['download_bytes_per_client'] / 1e6:.2f} | {first['rounds']} |")
+    """The markdown table of docs/leaderboard.md: accuracy % mean +- sd over the seeds (NLL)."""
+    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
+                    key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
+    seeds = {c: max(collections.Counter(r["method"] for r in rows if (
+        r["setting"], r["clients"], r["alpha"]) == c).values()) for c in cells_}
+    head = " | ".join(f"{SHORT[s]} C={c} a={a:g} ({n} seed{'s' * (n > 1)})"
+                      for (s, c, a), n in seeds.items())
+    print(f"\n| budget | method | {head} |\n|---|---|" + "---|" * len(cells_))
+    first = {r["method"]: r for r in reversed(rows)}
+    for method in sorted(first, key=lambda m: (BUDGETS.index(budget(first[m])), m)):
+        values = []
+        for c in cells_:
+            mine = [r for r in rows if r["method"] == method
+                    and (r["setting"], r["clients"], r["alpha"]) == c]
+            if not mine:
+                values.append("not run")
+                continue
+            accs = [100 * r["accuracy"] for r in mine]
+            text = f"{statistics.mean(accs):.2f}"
+            text += f" ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else ""
+            text += f" [{len(accs)} seed]" if len(accs) < seeds[c] else ""
+            values.append(f"{text} ({statistics.mean(r['nll'] for r in mine):.3f})")
+        print(f"| {budget(first[method])} | {method} | " + " | ".join(values) + " |")
+
+
+def print_targets(rows: list[dict]) -> None:
+    """Issue 36's targets per cell, as means over the seeds both sides ran."""
+    def mean(method: str, cell_: tuple, seeds: set[int] | None = None) -> float | None:
+        accs = [100 * r["accuracy"] for r in rows if r["method"] == method
+                and (r["setting"], r["clients"], r["alpha"]) == cell_
+                and (seeds is None or r["seed"] in seeds)]
+        return statistics.mean(accs) if accs else None
+
+    def seeds_of(method: str, cell_: tuple) -> set[int]:
+        return {r["seed"] for r in rows if r["method"] == method
+                and (r["setting"], r["clients"], r["alpha"]) == cell_}
+
+    def line(name: str, ours: str, theirs: str, cell_: tuple, margin: float = 0.0,
+             paper: float | None = None) -> None:
+        seeds = seeds_of(ours, cell_) & (seeds_of(theirs, cell_) if paper is None else
+                                         seeds_of(ours, cell_))
+        a = mean(ours, cell_, seeds)
+        b = paper if paper is not None else mean(theirs, cell_, seeds)
+        if a is None or b is None:
+            print(f"{name:<34} {SHORT[cell_[0]]} C={cell_[1]} a={cell_[2]:g}: not run")
+            return
+        verdict = "met" if a >= b - margin else f"MISSED by {b - margin - a:.2f}"
+        print(f"{name:<34} {SHORT[cell_[0]]} C={cell_[1]} a={cell_[2]:g}: {ours} {a:.2f} vs "
+              f"{theirs} {b:.2f} (seeds {sorted(seeds)}): {verdict}")
+
+    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
+                    key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
+    print("\ntargets (mean test accuracy % over the seeds both methods ran)")
+    for c in cells_:
+        line("fens >= ensemble", "fens", "ensemble", c)
+        if c[0] == "table1" and c[2] >= 0.2:
+            line("fens within 3 of fedavg-iterative", "fens", "fedavg-iterative", c, margin=3)
+        if c[0] == "table1":
+            best = max((m for m in {r["method"] for r in rows} if budget(
+                next(r for r in rows if r["method"] == m)) == BUDGETS[1]),
+                key=lambda m: mean(m, c) or -1.0)
+            line("one network >= paper's Table 1", best, "paper", c, paper=PAPER_TABLE1[c[2]])
+        line(f"fedbens >= ensemble-{2 * MEMBERS}", "fedbens", f"ensemble-{2 * MEMBERS}", c)
+        line("co-boosting >= dense", "co-boosting", "dense", c)
 
 
 def plot(rows: list[dict]) -> None:
@@ -245,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = load()
     if rows:
         print_tables(rows)
+        print_targets(rows)
         plot(rows)
     return 0
 
