@@ -175,6 +175,12 @@ def load() -> list[dict]:
     return json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
 
 
+def ordered_cells(rows: list[dict]) -> list[tuple[str, int, float]]:
+    """The cells of ``rows`` in the table's order: Table 1, Table 2, C100."""
+    return sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
+                  key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
+
+
 def budget(row: dict) -> str:
     if row["method"] == "fedavg-iterative":
         return BUDGETS[0]
@@ -188,8 +194,7 @@ def budget(row: dict) -> str:
 
 def print_tables(rows: list[dict]) -> None:
     """The markdown table of docs/leaderboard.md: accuracy % mean +- sd over the seeds (NLL)."""
-    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
-                    key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
+    cells_ = ordered_cells(rows)
     seeds = {c: max(collections.Counter(r["method"] for r in rows if (
         r["setting"], r["clients"], r["alpha"]) == c).values()) for c in cells_}
     head = " | ".join(f"{SHORT[s]} C={c} a={a:g} ({n} seed{'s' * (n > 1)})"
@@ -237,8 +242,7 @@ def print_targets(rows: list[dict]) -> None:
         print(f"{name:<34} {SHORT[cell_[0]]} C={cell_[1]} a={cell_[2]:g}: {ours} {a:.2f} vs "
               f"{theirs} {b:.2f} (seeds {sorted(seeds)}): {verdict}")
 
-    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
-                    key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
+    cells_ = ordered_cells(rows)
     print("\ntargets (mean test accuracy % over the seeds both methods ran)")
     for c in cells_:
         line("fens >= ensemble", "fens", "ensemble", c)
@@ -259,9 +263,13 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells_ = sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows})
-    fig, axes = plt.subplots(1, len(cells_), figsize=(4.2 * len(cells_), 4), squeeze=False)
-    for ax, c in zip(axes[0], cells_, strict=True):
+    cells_ = ordered_cells(rows)
+    columns = min(4, len(cells_))
+    lines = -(-len(cells_) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 4 * lines), squeeze=False)
+    for ax in axes.flat[len(cells_):]:
+        ax.set_visible(False)
+    for ax, c in zip(axes.flat, cells_, strict=False):
         mine = [r for r in rows if (r["setting"], r["clients"], r["alpha"]) == c]
         for method in sorted({r["method"] for r in mine}):
             accs = [100 * r["accuracy"] for r in mine if r["method"] == method]
