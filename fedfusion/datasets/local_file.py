@@ -83,7 +83,8 @@ def read_local_data(path: str | Path, input_shape: Sequence[int], num_classes: i
         x, y = _read_xy(path, where, max_bytes)
     except LocalDataError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError,
+            NotImplementedError) as exc:  # zipfile: a zip version or encryption it cannot read
         raise LocalDataError(f"{where} is not a readable .npz file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     if x.ndim == 3 and channels == 1 and x.shape[1:] == (height, width):

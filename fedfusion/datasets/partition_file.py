@@ -112,7 +112,8 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
     except PartitionError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, RecursionError,
-            MemoryError, OverflowError) as exc:  # the last three only if a check missed a case
+            NotImplementedError,  # zipfile: a zip version or encryption it cannot read
+            MemoryError, OverflowError) as exc:  # the last two only if a check missed a case
         raise PartitionError(f"{where} is not a readable {suffix} file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     try:

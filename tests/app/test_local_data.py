@@ -120,7 +120,24 @@ _VALID = io.BytesIO()
 np.savez(_VALID, x=_images(3), y=np.array([1, 2, 3]))
 
 
-@settings(max_examples=150, deadline=None,
+def _needs_zip_version(blob: bytes, version: int) -> bytes:
+    """``blob`` (a zip) with its first central-directory entry claiming it needs zip
+    ``version`` (64: 6.4, above what Python's zipfile reads; it raises NotImplementedError)."""
+    at = blob.index(b"PK\x01\x02") + 6  # signature, then version made by, then needed
+    return blob[:at] + version.to_bytes(2, "little") + blob[at + 2:]
+
+
+def test_a_zip_version_python_cannot_read_is_refused_naming_the_file(tmp_path):
+    """zipfile raises NotImplementedError, not BadZipFile, for it (found by the fuzz test)."""
+    path = tmp_path / "v64.npz"
+    path.write_bytes(_needs_zip_version(_VALID.getvalue(), 64))
+    with pytest.raises(LocalDataError, match="not a readable .npz file: "
+                       "NotImplementedError: zip file version 6.4") as info:
+        read_local_data(path, SHAPE, 10)
+    assert str(path) in str(info.value)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(
     st.binary(max_size=2000),

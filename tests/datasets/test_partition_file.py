@@ -100,6 +100,13 @@ def test_npz_defects_are_named(tmp_path):
     np.savez(path, client0=np.array([0, "x"], dtype=object))
     with pytest.raises(PartitionError, match="not a readable .npz file"):
         read_partition_file(path, 10, 1)
+    # a zip version Python's zipfile cannot read raises NotImplementedError there
+    np.savez(path, client0=np.array([0]))
+    blob = path.read_bytes()
+    at = blob.index(b"PK\x01\x02") + 6  # the central directory's "version needed" field
+    path.write_bytes(blob[:at] + (64).to_bytes(2, "little") + blob[at + 2:])
+    with pytest.raises(PartitionError, match="not a readable .npz file: NotImplementedError"):
+        read_partition_file(path, 10, 1)
 
 
 @FUZZ
