@@ -40,7 +40,7 @@ import numpy as np
 from fedfusion.reasons import brief, describe
 from fedfusion.wire.format import MAX_MEMBERS, SCHEMA, SCHEMA_VERSION, ClientUpload
 from fedfusion.wire.limits import DEFAULT_LIMITS, UploadLimits
-from fedfusion.wire.npy import npy_layout, read_npy
+from fedfusion.wire.npy import ZIP_COMPRESSIONS, npy_layout, read_npy
 
 MANIFEST = "manifest.json"
 #: a manifest larger than this is refused unread (honest ones are a few KB per client)
@@ -69,9 +69,6 @@ OPTIONAL_ENTRY_FIELDS: dict[str, type] = {
 #: Flower node ids are unsigned 64-bit integers; client ids 0..2**31-1 (as validation)
 _FIELD_RANGES = {"node_id": (0, 2**64 - 1), "claimed_client_id": (0, 2**31 - 1)}
 _ID_SOURCES = ("", "claimed", "registered", "registry", "server")
-#: zip compressions np.savez / np.savez_compressed write; the others (bzip2, lzma) inflate
-#: a whole read at once, unbounded
-_ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -369,7 +366,7 @@ def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -
         seen: set[tuple[int, str, str]] = set()
         for info in infos:
             m, section, name = _array_key(info.filename, file, num_members)
-            if info.compress_type not in _ZIP_COMPRESSIONS:
+            if info.compress_type not in ZIP_COMPRESSIONS:
                 raise ValueError(f"{file}: {brief(info.filename)} uses zip compression "
                                  f"{info.compress_type}; np.savez writes stored or deflated")
             if (m, section, name) in seen:

@@ -30,7 +30,7 @@ import numpy as np
 
 from fedfusion.datasets.loading import ImageData
 from fedfusion.datasets.loading import normalise as normalise_pixels
-from fedfusion.wire.npy import npy_layout, read_npy
+from fedfusion.wire.npy import NPZ_READ_ERRORS, ZIP_COMPRESSIONS, npy_layout, read_npy
 
 #: the arrays of a local data file may declare at most this many uncompressed bytes: the
 #: pixels become float32 for training, so a device holds about 4x this (Fashion-MNIST's whole
@@ -41,8 +41,6 @@ MAX_LOCAL_FILE_BYTES = 4 << 30
 _PIXEL_DTYPES = (np.uint8,)
 _LABEL_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                  np.uint64)
-#: zip compressions np.savez / np.savez_compressed write (others could inflate unbounded)
-_ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 
 class LocalDataError(ValueError):
@@ -83,8 +81,7 @@ def read_local_data(path: str | Path, input_shape: Sequence[int], num_classes: i
         x, y = _read_xy(path, where, max_bytes)
     except LocalDataError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError,
-            NotImplementedError) as exc:  # zipfile: a zip version or encryption it cannot read
+    except (*NPZ_READ_ERRORS, MemoryError) as exc:
         raise LocalDataError(f"{where} is not a readable .npz file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     if x.ndim == 3 and channels == 1 and x.shape[1:] == (height, width):
@@ -141,7 +138,7 @@ def _read_xy(path: Path, where: str, max_bytes: int) -> tuple[np.ndarray, np.nda
         dtypes = {"x": _PIXEL_DTYPES, "y": _LABEL_DTYPES}
         for name in ("x", "y"):
             info = infos[name]
-            if info.compress_type not in _ZIP_COMPRESSIONS:
+            if info.compress_type not in ZIP_COMPRESSIONS:
                 raise LocalDataError(f"{where}: array {name!r} uses zip compression "
                                      f"{info.compress_type}; np.savez writes stored or deflated")
             with archive.open(info) as stream:

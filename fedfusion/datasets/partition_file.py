@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
-from fedfusion.wire.npy import NpyLayout, npy_layout, read_npy
+from fedfusion.wire.npy import NPZ_READ_ERRORS, ZIP_COMPRESSIONS, NpyLayout, npy_layout, read_npy
 from fedfusion.wire.validation import json_depth
 
 #: a partition file larger than this is refused unread (60,000 rows as JSON are ~0.4 MB)
@@ -58,8 +58,6 @@ MAX_PARTITION_JSON_DEPTH = 8
 #: the scalar types a partition's row arrays may have in their ``.npy`` headers
 _ROW_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                np.uint64, np.float16, np.float32, np.float64, np.bool_)
-#: zip compressions np.savez / np.savez_compressed write (others inflate unbounded)
-_ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 _CLIENT_NAME = re.compile(r"client(\d+)")
 
 
@@ -111,8 +109,7 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
             raise PartitionError(f"{where}: unknown format {suffix!r}; use .npz or .json")
     except PartitionError:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, RecursionError,
-            NotImplementedError,  # zipfile: a zip version or encryption it cannot read
+    except (*NPZ_READ_ERRORS, RecursionError,
             MemoryError, OverflowError) as exc:  # the last two only if a check missed a case
         raise PartitionError(f"{where} is not a readable {suffix} file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
@@ -229,7 +226,7 @@ def _read_npz(path: Path, key: str, where: str, num_rows: int, num_clients: int
         layouts = []
         for name in names:  # every header first: nothing is inflated beyond them
             info = infos[name]
-            if info.compress_type not in _ZIP_COMPRESSIONS:
+            if info.compress_type not in ZIP_COMPRESSIONS:
                 raise PartitionError(f"{where}: array {name!r} uses zip compression "
                                      f"{info.compress_type}; np.savez writes stored or deflated")
             with archive.open(info) as stream:  # inflates the header's bytes only

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import zipfile
 from dataclasses import dataclass
 from typing import IO
 
@@ -20,6 +21,12 @@ from flwr.app import Array
 from fedfusion.core.state import WIRE_DTYPES
 from fedfusion.reasons import brief, clip
 
+#: zip compressions np.savez / np.savez_compressed write; the others (bzip2, lzma) inflate
+#: a whole read at once, unbounded
+ZIP_COMPRESSIONS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+#: what reading an untrusted ``.npz`` (a zip of ``.npy``) can raise besides the readers' own
+#: checks; zipfile raises NotImplementedError for a zip version or encryption it cannot read
+NPZ_READ_ERRORS = (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError)
 #: length of an ``.npy`` header (numpy's own default limit for untrusted files)
 MAX_NPY_HEADER_CHARS = 10_000
 #: dimensions of one array

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import InProcessGrid
+from helpers.zip_bytes import needs_zip_version
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,17 +121,10 @@ _VALID = io.BytesIO()
 np.savez(_VALID, x=_images(3), y=np.array([1, 2, 3]))
 
 
-def _needs_zip_version(blob: bytes, version: int) -> bytes:
-    """``blob`` (a zip) with its first central-directory entry claiming it needs zip
-    ``version`` (64: 6.4, above what Python's zipfile reads; it raises NotImplementedError)."""
-    at = blob.index(b"PK\x01\x02") + 6  # signature, then version made by, then needed
-    return blob[:at] + version.to_bytes(2, "little") + blob[at + 2:]
-
-
 def test_a_zip_version_python_cannot_read_is_refused_naming_the_file(tmp_path):
     """zipfile raises NotImplementedError, not BadZipFile, for it (found by the fuzz test)."""
     path = tmp_path / "v64.npz"
-    path.write_bytes(_needs_zip_version(_VALID.getvalue(), 64))
+    path.write_bytes(needs_zip_version(_VALID.getvalue(), 64))
     with pytest.raises(LocalDataError, match="not a readable .npz file: "
                        "NotImplementedError: zip file version 6.4") as info:
         read_local_data(path, SHAPE, 10)

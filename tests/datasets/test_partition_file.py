@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import InProcessGrid
 from helpers.fuzz import FUZZ
+from helpers.zip_bytes import needs_zip_version
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,9 +103,7 @@ def test_npz_defects_are_named(tmp_path):
         read_partition_file(path, 10, 1)
     # a zip version Python's zipfile cannot read raises NotImplementedError there
     np.savez(path, client0=np.array([0]))
-    blob = path.read_bytes()
-    at = blob.index(b"PK\x01\x02") + 6  # the central directory's "version needed" field
-    path.write_bytes(blob[:at] + (64).to_bytes(2, "little") + blob[at + 2:])
+    path.write_bytes(needs_zip_version(path.read_bytes(), 64))
     with pytest.raises(PartitionError, match="not a readable .npz file: NotImplementedError"):
         read_partition_file(path, 10, 1)
 
