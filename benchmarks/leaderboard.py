@@ -175,9 +175,13 @@ def load() -> list[dict]:
     return json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
 
 
+def cell_of(row: dict) -> tuple[str, int, float]:
+    return row["setting"], row["clients"], row["alpha"]
+
+
 def ordered_cells(rows: list[dict]) -> list[tuple[str, int, float]]:
     """The cells of ``rows`` in the table's order: Table 1, Table 2, C100."""
-    return sorted({(r["setting"], r["clients"], r["alpha"]) for r in rows},
+    return sorted({cell_of(r) for r in rows},
                   key=lambda c: (list(SHORT).index(c[0]), c[1], c[2]))
 
 
@@ -195,8 +199,8 @@ def budget(row: dict) -> str:
 def print_tables(rows: list[dict]) -> None:
     """The markdown table of docs/leaderboard.md: accuracy % mean +- sd over the seeds (NLL)."""
     cells_ = ordered_cells(rows)
-    seeds = {c: max(collections.Counter(r["method"] for r in rows if (
-        r["setting"], r["clients"], r["alpha"]) == c).values()) for c in cells_}
+    seeds = {c: max(collections.Counter(r["method"] for r in rows if cell_of(r) == c).values())
+             for c in cells_}
     head = " | ".join(f"{SHORT[s]} C={c} a={a:g} ({n} seed{'s' * (n > 1)})"
                       for (s, c, a), n in seeds.items())
     print(f"\n| budget | method | {head} |\n|---|---|" + "---|" * len(cells_))
@@ -204,8 +208,7 @@ def print_tables(rows: list[dict]) -> None:
     for method in sorted(first, key=lambda m: (BUDGETS.index(budget(first[m])), m)):
         values = []
         for c in cells_:
-            mine = [r for r in rows if r["method"] == method
-                    and (r["setting"], r["clients"], r["alpha"]) == c]
+            mine = [r for r in rows if r["method"] == method and cell_of(r) == c]
             if not mine:
                 values.append("not run")
                 continue
@@ -221,18 +224,17 @@ def print_targets(rows: list[dict]) -> None:
     """Issue 36's targets per cell, as means over the seeds both sides ran."""
     def mean(method: str, cell_: tuple, seeds: set[int] | None = None) -> float | None:
         accs = [100 * r["accuracy"] for r in rows if r["method"] == method
-                and (r["setting"], r["clients"], r["alpha"]) == cell_
-                and (seeds is None or r["seed"] in seeds)]
+                and cell_of(r) == cell_ and (seeds is None or r["seed"] in seeds)]
         return statistics.mean(accs) if accs else None
 
     def seeds_of(method: str, cell_: tuple) -> set[int]:
-        return {r["seed"] for r in rows if r["method"] == method
-                and (r["setting"], r["clients"], r["alpha"]) == cell_}
+        return {r["seed"] for r in rows if r["method"] == method and cell_of(r) == cell_}
 
     def line(name: str, ours: str, theirs: str, cell_: tuple, margin: float = 0.0,
              paper: float | None = None) -> None:
-        seeds = seeds_of(ours, cell_) & (seeds_of(theirs, cell_) if paper is None else
-                                         seeds_of(ours, cell_))
+        seeds = seeds_of(ours, cell_)
+        if paper is None:
+            seeds &= seeds_of(theirs, cell_)
         a = mean(ours, cell_, seeds)
         b = paper if paper is not None else mean(theirs, cell_, seeds)
         if a is None or b is None:
@@ -270,7 +272,7 @@ def plot(rows: list[dict]) -> None:
     for ax in axes.flat[len(cells_):]:
         ax.set_visible(False)
     for ax, c in zip(axes.flat, cells_, strict=False):
-        mine = [r for r in rows if (r["setting"], r["clients"], r["alpha"]) == c]
+        mine = [r for r in rows if cell_of(r) == c]
         for method in sorted({r["method"] for r in mine}):
             accs = [100 * r["accuracy"] for r in mine if r["method"] == method]
             passes = next(r["forward_passes"] for r in mine if r["method"] == method)
