@@ -114,8 +114,10 @@ def train_members(
     member after the other with :func:`train_local`. Members whose feature maps are large
     train in chunks of fewer members (:data:`CHUNK_BYTES`). The stacked engine reports one
     wall time per chunk: each member's ``seconds`` is its share, ``chunk total / chunk size``.
-    The stacked engine is a CPU engine: members on a GPU train one after the other with
-    :func:`train_local` on their device, whatever ``accelerate`` says."""
+    The stacked engine is a CPU engine. Members on a GPU train, when asked, as one vmapped
+    computation (:mod:`fedfusion.accel.vmapped`: models without buffers or dropout, no loss
+    terms; each member's ``seconds`` is its share of the wall time), else one after the other
+    with :func:`train_local` on their device."""
     if len(seeds) != len(models):
         raise ValueError(f"train_members got {len(models)} models and {len(seeds)} seeds")
     terms = [list(t) for t in loss_terms] if loss_terms is not None else [[] for _ in models]
@@ -126,8 +128,10 @@ def train_members(
         return [train_local(model, x, y, config, seed, member_terms)
                 for model, seed, member_terms in zip(models, seeds, terms, strict=True)]
 
-    if not requested(accelerate) or any(model_device(m).type != "cpu" for m in models):
+    if not requested(accelerate):
         return one_by_one()
+    if off_cpu(models):
+        return _vmapped(models, x, y, config, seeds, terms) or one_by_one()
     from fedfusion.accel.stacked import compile_members, train_stacked
 
     for model in models:
@@ -147,6 +151,29 @@ def train_members(
     for model in models:
         model.eval()
     return stats
+
+
+def off_cpu(models: Sequence[nn.Module]) -> bool:
+    """Whether any of ``models`` lives off the CPU (on a GPU)."""
+    return any(model_device(m).type != "cpu" for m in models)
+
+
+def _vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
+             config: TrainConfig, seeds: Sequence[int],
+             terms: Sequence[Sequence[LossTerm]]) -> list[TrainStats] | None:
+    """Members on a GPU as one computation (:mod:`fedfusion.accel.vmapped`); None where that
+    engine does not apply (loss terms, buffers, dropout, mixed devices)."""
+    from fedfusion.accel.vmapped import train_vmapped
+
+    if any(terms):
+        return None
+    trained = train_vmapped(models, x, y, config.epochs, config.lr, config.momentum,
+                            config.batch_size, seeds)
+    if trained is None:
+        return None
+    seconds, losses = trained
+    return [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
+                       final_loss=loss) for loss in losses]
 
 
 #: feature maps (and their gradients) of one stacked chunk of members, per step: above a

@@ -1,4 +1,5 @@
-"""Optional acceleration for CPU clients: opt-in, never on a library call's default path.
+"""Optional acceleration for clients (on the CPU, and a GPU's training): opt-in, never on a
+library call's default path.
 
 What it holds:
 
@@ -10,7 +11,9 @@ What it holds:
 * :mod:`~fedfusion.accel.fast_kron`: the MC K-FAC factors of laplace-torch's ``asdl_mc``
   backend computed on the stacked trainer's layers (the same factors, to float tolerance);
 * :mod:`~fedfusion.accel.asdl_speedup`: batched conv K-FAC factors for ASDL, patched in for
-  the duration of one fit only.
+  the duration of one fit only;
+* :mod:`~fedfusion.accel.vmapped`: members on a GPU trained as one ``torch.func.vmap``
+  computation.
 
 A library call uses none of it unless asked: ``accelerate=True`` on
 :func:`fedfusion.client.make_upload` / :func:`fedfusion.curvature.fit_curvature` /

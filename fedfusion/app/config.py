@@ -273,17 +273,20 @@ class Settings:
         doc=("where a client trains its members, fits curvature and builds its upload (FENS' "
              "aggregator rounds too): `auto` = CUDA when the client's process has a GPU (a "
              "simulation's `client-resources-num-gpus` share, a SuperNode's GPU), else the CPU; "
-             "the data stays on the CPU and moves a batch at a time; uploads are the same format; "
-             "on a GPU the stacked trainer (`accelerate`) gives way to PyTorch's own loop; "
+             "the data stays on the CPU and moves to the GPU once (up to 1 GiB) or a batch at a "
+             "time; uploads are the same format; on a GPU `accelerate` trains the members as "
+             "one vmapped computation (`fedfusion.accel.vmapped`) where the model has no "
+             "buffers or dropout, else PyTorch's own loop member by member; "
              "`results.json` reports each client's `device`"),
         valid=("`auto` `cpu` `cuda` `cuda:<i>`; `cuda` on a process without a GPU fails that "
                "client's round with an error naming it **[client]**"),
         check=CLIENT_DEVICE, node=True)
     accelerate: bool = knob(
         True,
-        doc=("the App's clients use `fedfusion.accel` (the stacked trainer, its C kernels "
-             "compiled with the system `cc`, and the compiled Kron fit) where they know the "
-             "model, and PyTorch/laplace-torch elsewhere; `false` = PyTorch/laplace-torch only, "
+        doc=("the App's clients use `fedfusion.accel` (on the CPU the stacked trainer, its C "
+             "kernels compiled with the system `cc`, and the compiled Kron fit; on a GPU the "
+             "members trained as one vmapped computation) where they know the model, and "
+             "PyTorch/laplace-torch elsewhere; `false` = PyTorch/laplace-torch only, "
              "the library's default ([library/acceleration.md](library/acceleration.md))"),
         valid="`true` / `false`",
         node=True)

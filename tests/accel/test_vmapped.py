@@ -1,0 +1,129 @@
+"""The GPU engine that trains a client's M members as one vmapped computation
+(:mod:`fedfusion.accel.vmapped`): each member ends where its own one-by-one training
+(:func:`fedfusion.training.train_local`, same seed) ends, on the models users have (LeNet,
+a ViT, a transformer over integer tokens); models it cannot stack are refused and train one by
+one; :func:`train_members` routes members on a GPU to it only when acceleration is asked for.
+The engine is device-agnostic PyTorch, so the math is checked on the CPU; the same check on a
+GPU runs where one is present."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedfusion import training
+from fedfusion.accel import vmapped
+from fedfusion.models import build_model
+from fedfusion.training import ProximalTerm, TrainConfig, train_local, train_members
+
+CONFIG = TrainConfig(epochs=2, lr=0.05, momentum=0.9, batch_size=16)
+SEEDS = [5, 6, 7]
+MODELS = [("lenet", (1, 28, 28), {}),
+          ("vit", (1, 28, 28), {"dim": 16, "heads": 2, "layers": 1}),
+          ("token_transformer", (12,), {"dim": 8, "heads": 2})]
+
+
+def _data(shape: tuple[int, ...], n: int = 70) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randint(0, 17, (n, *shape), generator=generator) if len(shape) == 1
+         else torch.randn(n, *shape, generator=generator))
+    return x, torch.randint(0, 10, (n,), generator=generator)
+
+
+def _members(name: str, shape: tuple[int, ...], kwargs: dict, device: str = "cpu"
+             ) -> list[nn.Module]:
+    members = []
+    for m in range(len(SEEDS)):
+        torch.manual_seed(100 + m)
+        members.append(build_model(name, shape, 10, **kwargs).to(device))
+    return members
+
+
+def _max_difference(a: list[nn.Module], b: list[nn.Module]) -> float:
+    return max((p - q).abs().max().item() for ma, mb in zip(a, b, strict=True)
+               for p, q in zip(ma.parameters(), mb.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("name", "shape", "kwargs"), MODELS, ids=[m[0] for m in MODELS])
+def test_each_member_ends_where_its_own_training_ends(name, shape, kwargs):
+    x, y = _data(shape)  # 70 rows: the last batch of each epoch is smaller (6 rows)
+    stacked = _members(name, shape, kwargs)
+    alone = copy.deepcopy(stacked)
+    start = [copy.deepcopy(m.state_dict()) for m in stacked]
+    caller_rng = torch.get_rng_state()
+    seconds, losses = vmapped.train_vmapped(stacked, x, y, CONFIG.epochs, CONFIG.lr,
+                                            CONFIG.momentum, CONFIG.batch_size, SEEDS)
+    assert torch.equal(torch.get_rng_state(), caller_rng)  # the caller's RNG is untouched
+    reference = [train_local(m, x, y, CONFIG, s) for m, s in zip(alone, SEEDS, strict=True)]
+    assert seconds > 0
+    assert _max_difference(stacked, alone) < 1e-5
+    assert losses == pytest.approx([r.final_loss for r in reference], abs=1e-5)
+    # the members moved, each from its own start, and stayed apart
+    for model, state in zip(stacked, start, strict=True):
+        moved = max((p - state[n]).abs().max().item() for n, p in model.named_parameters())
+        assert moved > 1e-3
+    assert not stacked[0].training  # left in eval mode, as train_local leaves a model
+
+
+class _Dropout(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.Dropout(p), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_models_it_cannot_stack_are_refused():
+    bn = _members("bn_cnn", (1, 28, 28), {})  # BatchNorm's running statistics are buffers
+    mixed = [build_model("mlp", (1, 28, 28), 10), build_model("lenet", (1, 28, 28), 10)]
+    x, y = _data((1, 28, 28), 20)
+    for models in (bn, mixed, [_Dropout(0.2), _Dropout(0.2)], []):
+        assert not vmapped.supports(models)
+        assert vmapped.train_vmapped(models, x, y, 1, 0.1, 0.9, 8, [0] * len(models)) is None
+    assert vmapped.supports([_Dropout(0.0), _Dropout(0.0)])  # p = 0 draws nothing
+
+
+def test_train_members_sends_gpu_members_to_it_only_when_asked(monkeypatch):
+    """Members reported on a GPU (the report is faked: the math runs on the CPU) train through
+    the vmapped engine with ``accelerate``, one by one without it or with loss terms; both
+    paths give the one-by-one result."""
+    calls: list[int] = []
+    real = vmapped.train_vmapped
+
+    def spy(models, *args, **kwargs):
+        calls.append(len(models))
+        return real(models, *args, **kwargs)
+
+    monkeypatch.setattr(vmapped, "train_vmapped", spy)
+    monkeypatch.setattr(training, "off_cpu", lambda _models: True)
+    x, y = _data((1, 28, 28))
+    reference = _members("lenet", (1, 28, 28), {})
+    expected = copy.deepcopy(reference)
+    for model, seed in zip(expected, SEEDS, strict=True):
+        train_local(model, x, y, CONFIG, seed)
+    for accelerate, terms, engine_calls in ((True, None, [3]), (False, None, []),
+                                            (True, "proximal", [])):
+        calls.clear()
+        members = copy.deepcopy(reference)
+        loss_terms = ([[ProximalTerm(m, mu=0.0)] for m in members] if terms else None)
+        stats = train_members(members, x, y, CONFIG, SEEDS, loss_terms, accelerate=accelerate)
+        assert calls == engine_calls
+        assert len(stats) == 3 and all(s.samples == len(y) * CONFIG.epochs for s in stats)
+        assert _max_difference(members, expected) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_each_member_ends_where_its_own_training_ends():
+    name, shape, kwargs = MODELS[0]
+    x, y = _data(shape)
+    stacked = _members(name, shape, kwargs, "cuda")
+    alone = copy.deepcopy(stacked)
+    vmapped.train_vmapped(stacked, x, y, CONFIG.epochs, CONFIG.lr, CONFIG.momentum,
+                          CONFIG.batch_size, SEEDS)
+    for model, seed in zip(alone, SEEDS, strict=True):
+        train_local(model, x, y, CONFIG, seed)
+    assert _max_difference(stacked, alone) < 1e-2  # cuDNN may run convolutions in TF32
