@@ -32,12 +32,14 @@ def finished_run(out: str, name: str) -> dict | None:
     return None
 
 
-def live_run(run_config: str, out: str, name: str) -> dict:
-    """``launch`` a run named ``name`` under ``out``, unless it already finished there."""
+def live_run(run_config: str, out: str, name: str,
+             federation: dict[str, float] | None = None) -> dict:
+    """``launch`` a run named ``name`` under ``out``, unless it already finished there
+    (``federation``: simulation overrides, e.g. the clients' GPU share)."""
     done = finished_run(out, name)
     if done is not None:
         return done
-    return launch(f"{run_config} output-dir='{out}' run-name={name}")
+    return launch(f"{run_config} output-dir='{out}' run-name={name}", federation=federation)
 
 
 def live_run_in_process(run_config: str, out: str, name: str) -> dict:

@@ -22,6 +22,9 @@ server validation rows, seed 0. Stages (each resumable: a finished run is reused
 * ``fleet``: the deployment engine, ``scripts/deploy-local.sh --measure`` with 20 SuperNodes
   on 127.0.0.1 (one FedBEns round, 6,000-sample subset, M = 1, 20 local epochs): wall time,
   the machine's peak memory, every Flower process's peak RSS, the clients that uploaded.
+* ``gpu`` (a GPU machine only; not in ``all``): the C = 100, M = 5 run again with the
+  clients on the card (``--client-gpus``, each client's share, default 1/16), its time split
+  beside the CPU run's (set ``c100_m5_s0_gpu``).
 * ``tables``: the table, ``benchmarks/results/scale.json`` and ``scale.png`` (server time
   against C on log-log axes with the fitted slope, accuracy beside it).
 
@@ -57,7 +60,9 @@ BASE = f"strategy=fedbens hessian-structure=kron alpha=0.3 seed=0 {PAPER_ALGORIT
 SETS = {"c100_m5_s0": (100, 5, "flwr run"), "c200_m2_s0": (200, 2, "in-process"),
         "c500_m1_s0": (500, 1, "in-process"),
         # the same run again after replies were streamed to the strategy and to disk
-        "c100_m5_s0_streamed": (100, 5, "flwr run")}
+        "c100_m5_s0_streamed": (100, 5, "flwr run"),
+        # the C = 100 run on a GPU machine, its clients sharing the card (stage gpu)
+        "c100_m5_s0_gpu": (100, 5, "flwr run, GPU clients")}
 #: server cells: (upload set, clients replayed)
 CELLS = [("c100_m5_s0", c) for c in (5, 10, 20, 40, 100)] + [("c200_m2_s0", 200),
                                                              ("c500_m1_s0", 500)]
@@ -160,6 +165,38 @@ def stage_live(results: dict) -> None:
             run = live_run(f"{BASE} num-clients={clients} num-members={members}", str(OUT),
                            name)
         record_set(results, name, run, "flwr run", time.perf_counter() - start, memory)
+
+
+def stage_gpu(results: dict, share: float) -> None:
+    """The C = 100 run with every client on the GPU: Flower gives each ClientApp a
+    ``share`` of the card (``client-resources-num-gpus``, one CPU each), and
+    ``client-device='auto'`` trains there. The time split beside the CPU's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("stage gpu needs a CUDA device")
+    name = "c100_m5_s0_gpu"
+    clients, members, how = SETS[name]
+    start = time.perf_counter()
+    with MemorySampler() as memory:
+        run = live_run(f"{BASE} num-clients={clients} num-members={members}", str(OUT), name,
+                       federation={"client-resources-num-gpus": share,
+                                   "client-resources-num-cpus": 1})
+    record_set(results, name, run, how, time.perf_counter() - start, memory)
+    devices = sorted({str(c.get("device")) for c in run["clients"]})
+    results["sets"][name].update({"gpu": torch.cuda.get_device_name(0),
+                                  "client_gpu_share": share, "client_devices": devices})
+    save(results)
+    print("| phase | 2-core CPU, s | GPU, s |\n|---|---|---|")
+    cpu = results["sets"].get("c100_m5_s0", {})
+    def seconds(row: dict, key: str | None) -> str:
+        value = row.get("wall_s") if key is None else row.get("timing", {}).get(key)
+        return "-" if value is None else f"{value:.1f}"
+
+    for label, key in (("whole run", None), ("client phase", "client_round_s"),
+                       ("server fusion", "server_fuse_s"), ("evaluation", "server_eval_s")):
+        print(f"| {label} | {seconds(cpu, key)} | {seconds(results['sets'][name], key)} |")
+    print(f"client devices: {devices}")
 
 
 def stage_train(results: dict) -> None:
@@ -387,9 +424,15 @@ def plot(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("stage", choices=("live", "train", "server", "baselines", "fleet",
-                                          "tables", "all"))
+                                          "tables", "all", "gpu"))
+    parser.add_argument("--client-gpus", type=float, default=1 / 16,
+                        help="stage gpu: each client's share of the card "
+                             "(client-resources-num-gpus)")
     args = parser.parse_args()
     results = load()
+    if args.stage == "gpu":  # a lent GPU machine only: not part of "all"
+        stage_gpu(results, args.client_gpus)
+        return
     stages = {"live": stage_live, "train": stage_train, "server": stage_server,
               "baselines": stage_baselines, "fleet": stage_fleet, "tables": stage_tables}
     for name, stage in stages.items():

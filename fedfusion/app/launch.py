@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from fedfusion.app.paths import output_name_error
@@ -98,19 +98,28 @@ def run_config_value(run_config: str, key: str) -> str | None:
 
 
 def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Path = APP_DIR,
-           timeout: float = 3 * 3600, *, tracker: ProcessTracker | None = None) -> dict:
+           timeout: float = 3 * 3600, *, tracker: ProcessTracker | None = None,
+           federation: Mapping[str, float] | None = None) -> dict:
     """Run ``flwr run`` on a private local SuperLink; return the parsed results.json.
+
+    ``federation`` overrides keys of the App's ``[tool.fedfusion.simulation]``, e.g.
+    ``{"client-resources-num-gpus": 0.25}`` for four clients per GPU.
 
     Every process the launch starts (``flwr run``, the SuperLink, the simulation and its Ray
     cluster) is stopped before it returns or raises, also on Ctrl-C, SIGTERM and
     ``timeout``; then, and only then, the run is also stopped on the SuperLink
     (:func:`stop_launch`). ``tracker`` receives those processes (:class:`ProcessTracker`),
     e.g. for a test that none is left."""
-    federation, app_config = simulation_defaults(app_dir)
+    defaults, app_config = simulation_defaults(app_dir)
+    unknown = set(federation or {}) - set(DEFAULT_SIMULATION)
+    if unknown:
+        raise ValueError(f"launch: unknown simulation keys {sorted(unknown)}; known: "
+                         f"{sorted(DEFAULT_SIMULATION)}")
+    simulation = {**defaults, **(federation or {})}
     clients = run_config_value(run_config, "num-clients")
-    federation["num-supernodes"] = num_supernodes or int(clients or federation["num-supernodes"])
+    simulation["num-supernodes"] = num_supernodes or int(clients or simulation["num-supernodes"])
     if clients is None:
-        run_config += f" num-clients={federation['num-supernodes']}"
+        run_config += f" num-clients={simulation['num-supernodes']}"
     if "largest-client-first" in app_config and run_config_value(
             run_config, "largest-client-first") is None:
         # a simulation: start the longest clients first (federation.client_for_partition)
@@ -141,7 +150,7 @@ def launch(run_config: str = "", num_supernodes: int | None = None, app_dir: Pat
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     bin_dir = Path(sys.executable).parent
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    federation_config = " ".join(f"{k}={v}" for k, v in federation.items())
+    federation_config = " ".join(f"{k}={v}" for k, v in simulation.items())
     staged = stage_app(app_dir, flwr_home / "app")
     command = [str(bin_dir / "flwr"), "run", str(staged), "--stream",
                "--federation-config", federation_config]

@@ -73,6 +73,23 @@ def test_the_launcher_sets_the_flag_only_for_apps_that_have_it(tmp_path, monkeyp
     assert homes and not any(home.exists() for home in homes)  # removed after failed launches
 
 
+def test_the_clients_resources_can_be_overridden_per_launch(tmp_path, monkeypatch) -> None:
+    """``federation`` overrides the App's simulation keys for one launch (a GPU share for
+    the clients); an unknown key is refused before anything starts."""
+    commands = []
+    monkeypatch.setattr(launch_module, "run_flwr", lambda command, *_a, **_k:
+                        commands.append(command))
+    with pytest.raises(RuntimeError, match="wrote no"):
+        launch(f"num-clients=3 output-dir='{tmp_path}'",
+               federation={"client-resources-num-gpus": 0.25})
+    config = commands[0][commands[0].index("--federation-config") + 1].split()
+    assert "client-resources-num-gpus=0.25" in config and "num-supernodes=3" in config
+    assert "client-resources-num-cpus=1" in config  # the App's own value, kept
+    with pytest.raises(ValueError, match="unknown simulation keys.*num-gpu"):
+        launch(f"output-dir='{tmp_path}'", federation={"num-gpu": 1})
+    assert len(commands) == 1
+
+
 @pytest.mark.parametrize(("signum", "exit_code", "group"), [
     # Ctrl-C in a terminal: to the launcher and `flwr run`
     pytest.param(signal.SIGINT, 130, True, id="ctrl-c"),

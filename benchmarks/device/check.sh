@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 40's GPU checks, run ON a lent GPU machine through the device tool, from what
+# prepare.sh put in .device/. Two parts, one device call each, back to back on one warm machine
+# (the second reuses what the first installed and unpacked):
+#   check.sh clients   carry .device/clients   GPU tests; FedBEns ours vs the authors' code
+#                                              on one card (benchmarks/gpu_end_to_end.py)
+#   check.sh scale     carry .device/scale     C = 100, M = 5 through flwr run with the clients
+#                                              on the card (scale.py gpu); the server on CPU vs
+#                                              GPU at C = 5 / 40 / 100 (server_device.py)
+# Logs and JSON go to $OUT, which the device tool brings back; copy the JSON into
+# benchmarks/results/ here. PYTHON (default python3: the image's, holding torch) runs it all.
+# DRY_RUN=1 tries the same set-up on a machine without a GPU: one local epoch on the CPU, a
+# 3-client flwr run instead of the C = 100 one, the server at C = 3 on the CPU alone.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PART=${1:?usage: check.sh clients|scale}
+OUT=${OUT:-/tmp/fedfusion-device-out}
+PY=${PYTHON:-python3}
+FMNIST_DIR=/tmp/fedfusion-fmnist
+export PYTHONUNBUFFERED=1 FEDFUSION_DATA_DIR=$FMNIST_DIR
+mkdir -p "$OUT"
+quiet() { grep -v -E "fedfusion client [0-9]+ member|^\s*$" || true; }  # per-member lines
+
+install_clients() {  # our wheels into the image's environment; the authors' pins apart; data
+  [ -d .device/clients ] || { echo "no .device/clients here: run 'check.sh clients' (carry" \
+    ".device/clients) on this machine first"; exit 2; }
+  $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/clients/wheels/ours/*.whl \
+    || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target \
+    /tmp/authors-site .device/clients/wheels/authors/*.whl || exit 1
+  mkdir -p $FMNIST_DIR && tar xJf .device/clients/data/fmnist.tar.xz -C $FMNIST_DIR
+}
+
+case $PART in
+clients)
+  start=$(date +%s)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+    | tee -a "$OUT/gpu.txt"
+  install_clients
+  echo "installed in $(( $(date +%s) - start )) s"
+  # the tests that skip without a GPU, and the device choice and the vmapped engine
+  $PY -m pytest -q -p no:cacheprovider tests/accel/test_vmapped.py \
+    tests/app/test_client_device.py tests/strategies/test_server_gpu.py 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -4
+  dry=(); [ "${DRY_RUN:-0}" = 1 ] && dry=(--cpu --epochs 1 --alphas 0.1)
+  $PY benchmarks/gpu_end_to_end.py "${dry[@]}" --authors-code .device/clients/authors/One_shot_FL \
+    --data-dir $FMNIST_DIR --splits .device/clients/data/fedbens-authors-splits.npz \
+    --authors-site /tmp/authors-site --authors-parallel --json "$OUT/gpu_end_to_end.json" \
+    2>&1 | tee "$OUT/gpu_end_to_end.log" | quiet | tail -40
+  ;;
+scale)
+  $PY -c "import flwr, laplace" 2>/dev/null || install_clients
+  [ -f $FMNIST_DIR/train-images-idx3-ubyte ] || install_clients
+  site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/scale/wheels/*.whl || exit 1
+  tar xJf .device/scale/ray-slim.tar.xz -C "$site" || exit 1
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    uploads=outputs/device-dry-run/c3/uploads cells=3
+    $PY -c "from fedfusion.app.launch import launch; r = launch(\"strategy=fedbens \
+num-clients=3 num-members=2 local-epochs=1 train-subset=1200 output-dir='outputs/device-dry-run' \
+run-name=c3\"); print('dry run:', r['status'], r['test']['accuracy'])" 2>&1 \
+      | tee "$OUT/scale-gpu.log" | quiet | tail -5
+  else
+    uploads=outputs/bench-scale/c100_m5_s0_gpu/uploads cells=5,40,100
+    $PY benchmarks/scale.py gpu 2>&1 | tee "$OUT/scale-gpu.log" | quiet | tail -30
+  fi
+  cp benchmarks/results/scale.json "$OUT/"
+  timeout 300 $PY benchmarks/server_device.py --cells $cells --defaults --uploads $uploads \
+    2>&1 | tee "$OUT/server-device.log" | tail -30
+  cp benchmarks/results/server_device.json "$OUT/"
+  ;;
+*)
+  echo "check.sh: unknown part '$PART' (clients or scale)"; exit 2 ;;
+esac

@@ -1,0 +1,241 @@
+"""FedBEns, ours and the authors' code, side by side on one GPU: whole run, client phase,
+server, accuracy (issue 40, item 2).
+
+The setting of ``../shared/notes/fedbens-reference-run.md``: FMNIST, bias-free LeNet, C = 5,
+M = 5, 20 local epochs, Kron Laplace, T = 0.1, sigma^2 = 0.1, the paper's server algorithm
+(median starts, 300 Adam steps, validation every 30), on the authors' own split and
+validation rows (``fedbens-authors-splits.npz``), at each ``--alphas``, ``--seed``:
+
+* **ours**: the App's ServerApp and ClientApp in this process (``InProcessGrid``: Flower's
+  Message API without SuperLink or Ray, the 5 clients one after the other, as the authors'
+  code runs them), ``client-device='auto'`` (the GPU) and the server on the GPU;
+* **authors**: their ``main_FedBEns_kron.py``, unchanged, in a child process
+  (``benchmarks/authors_code.py``: their native CUDA setting, phases timed by wrappers).
+
+``--authors-parallel`` runs the authors' alphas at once, each on its own half of the cores
+(their steps are launch-bound, the card mostly idle), to fit a device lease; the JSON says so.
+Ours always runs alone. With no GPU the same script runs on the CPU (``--cpu``: their code's
+one word 'cuda' replaced), as a dry run with ``--epochs 1``.
+
+    python benchmarks/gpu_end_to_end.py --authors-code DIR/One_shot_FL --data-dir FMNIST_IDX \\
+        [--splits ../shared/data/fedbens-authors-splits.npz] [--alphas 0.1,0.4] [--seed 0] \\
+        [--epochs 20] [--authors-parallel] [--cpu] [--json benchmarks/results/gpu_end_to_end.json]
+
+Writes the JSON after every finished run (so a run cut short keeps what it measured):
+``device`` (the card's name), ``clients_on_gpu``, ``ours`` / ``authors`` (the first alpha:
+``wall_s``, ``client_s``, ``server_s``, ``accuracy`` in 0..1, ``nll``), every alpha in
+``cells`` and the ratios in ``speedup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import PAPER_ALGORITHM, REPO, live_run_in_process
+
+RESULTS = REPO / "benchmarks" / "results" / "gpu_end_to_end.json"
+SPLITS = REPO.parent / "shared" / "data" / "fedbens-authors-splits.npz"
+AUTHORS_CODE = REPO / "benchmarks" / "authors_code.py"
+FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                "t10k-labels-idx1-ubyte")
+
+
+def ours(alpha: float, seed: int, epochs: int, splits: Path, out: str) -> dict[str, Any]:
+    """One in-process run of the App at (alpha, seed); its figures."""
+    name = f"a{alpha:g}-s{seed}-e{epochs}"
+    done = Path(out) / name / "results.json"
+    if done.is_file():
+        done.unlink()  # always a fresh run: this measures time
+    start = time.perf_counter()
+    results = live_run_in_process(
+        f"strategy=fedbens alpha={alpha} seed={seed} num-clients=5 num-members=5 "
+        f"local-epochs={epochs} hessian-structure=kron partition-file='{splits}' "
+        f"partition-key=C5_a{alpha:g} val-source=file {PAPER_ALGORITHM}", out, name)
+    wall = time.perf_counter() - start
+    if results.get("status") != "ok":
+        raise SystemExit(f"our run at alpha {alpha:g} failed: {results.get('error')}")
+    timing, clients = results["timing"], results["clients"]
+    return {
+        "wall_s": wall, "client_s": timing["client_round_s"],
+        "client_train_s": timing["client_train_s_sum"],
+        "client_fit_s": sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients),
+        "server_s": timing["server_fuse_s"], "eval_s": timing["server_eval_s"],
+        "accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"],
+        "client_devices": sorted({str(c.get("device")) for c in clients}),
+        "path": "in-process: the App's ServerApp and ClientApp (InProcessGrid), no SuperLink/Ray",
+    }
+
+
+def training_engines(device: str, rows: int = 15000, members: int = 5) -> dict[str, Any]:
+    """One epoch of ``members`` LeNets on ``rows`` FMNIST rows on ``device``: the members as
+    one computation (``accelerate``: the vmapped engine on a GPU, the stacked one on the CPU)
+    against one after the other, after a warm-up."""
+    from fedfusion.datasets import load_dataset
+    from fedfusion.models import build_model
+    from fedfusion.training import TrainConfig, train_members
+
+    bundle = load_dataset("fmnist")
+    x, y = bundle.train.x[:rows], bundle.train.y[:rows]
+    config = TrainConfig(epochs=1)
+    seconds = {}
+    for accelerate in (True, False, True, False):  # the first pair warms up
+        torch.manual_seed(0)
+        models = [build_model("lenet", (1, 28, 28), 10).to(device) for _ in range(members)]
+        start = time.perf_counter()
+        train_members(models, x, y, config, list(range(members)), accelerate=accelerate)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        seconds["accelerated" if accelerate else "one_by_one"] = time.perf_counter() - start
+    return {"rows": rows, "members": members, "epochs": 1, "device": device,
+            "engine": "stacked" if device == "cpu" else "vmapped",
+            "accelerated_s": seconds["accelerated"], "one_by_one_s": seconds["one_by_one"],
+            "speedup": seconds["one_by_one"] / seconds["accelerated"]}
+
+
+def authors(alphas: list[float], seed: int, epochs: int, code: Path, work: Path, cpu: bool,
+            parallel: bool, site: str) -> dict[float, dict[str, Any]]:
+    """Their script at each alpha (in child processes, at once when ``parallel``), with
+    ``site`` (their pinned packages, e.g. laplace-torch 0.2.2.2) first on the path."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // len(alphas)) if parallel else len(cores)
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+    running = []
+    for i, alpha in enumerate(alphas):
+        target = work / f"authors-a{alpha:g}-s{seed}.json"
+        target.unlink(missing_ok=True)
+        command = [sys.executable, str(AUTHORS_CODE), "--code", str(code), "--work", str(work),
+                   "--alpha", str(alpha), "--seed", str(seed), "--epochs", str(epochs),
+                   "--json", str(target)] + (["--cpu"] if cpu else [])
+        mine = cores[i * share:(i + 1) * share] if parallel else cores
+        log = (work / f"authors-a{alpha:g}-s{seed}.log").open("w")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=lambda c=mine: os.sched_setaffinity(0, c))
+        running.append((alpha, target, process, log))
+        if not parallel:
+            process.wait()
+    figures = {}
+    for alpha, target, process, log in running:
+        process.wait()
+        log.close()
+        if process.returncode != 0 or not target.is_file():
+            tail = (work / f"authors-a{alpha:g}-s{seed}.log").read_text()[-2000:]
+            print(f"the authors' code failed at alpha {alpha:g} "
+                  f"(exit {process.returncode}):\n{tail}")
+            continue
+        figures[alpha] = {**json.loads(target.read_text()),
+                          "concurrent_runs": len(alphas) if parallel else 1,
+                          "cores": share}
+    return figures
+
+
+def prepare_authors_work(data_dir: Path, work: Path) -> None:
+    """Their code reads FMNIST through torchvision from ./data/fashionmnist: the four IDX
+    files, unpacked, in FashionMNIST/raw (present files are not downloaded)."""
+    raw = work / "data" / "fashionmnist" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in FMNIST_FILES:
+        if (raw / name).is_file():
+            continue
+        if (data_dir / name).is_file():
+            (raw / name).symlink_to((data_dir / name).resolve())
+        elif (data_dir / f"{name}.gz").is_file():
+            import gzip
+
+            (raw / name).write_bytes(gzip.decompress((data_dir / f"{name}.gz").read_bytes()))
+        else:
+            raise SystemExit(f"{data_dir} holds neither {name} nor {name}.gz")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--authors-code", type=Path, required=True,
+                        help="their One_shot_FL folder (github jacopot96/FedBEns at b2c9813)")
+    parser.add_argument("--data-dir", type=Path, required=True,
+                        help="the four FMNIST IDX files (.gz or unpacked)")
+    parser.add_argument("--splits", type=Path, default=SPLITS)
+    parser.add_argument("--alphas", default="0.1,0.4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--authors-parallel", action="store_true")
+    parser.add_argument("--authors-site", default="",
+                        help="a folder of the packages their code pins, first on its path")
+    parser.add_argument("--skip-authors", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="a dry run without a GPU")
+    parser.add_argument("--out", default=str(REPO / "outputs" / "bench-gpu-end-to-end"))
+    parser.add_argument("--json", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    alphas = [float(a) for a in args.alphas.split(",")]
+    os.environ["FEDFUSION_DATA_DIR"] = str(args.data_dir.resolve())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if gpu is None and not args.cpu:
+        raise SystemExit("no CUDA device here: pass --cpu for a dry run on the CPU")
+    record: dict[str, Any] = {
+        "device": gpu or "cpu", "torch": torch.__version__, "clients_on_gpu": None,
+        "setting": {"alphas": alphas, "seed": args.seed, "local_epochs": args.epochs,
+                    "clients": 5, "members": 5, "structure": "kron",
+                    "server": "the paper's algorithm (median starts, 300 Adam steps)",
+                    "split": "the authors' (fedbens-authors-splits.npz)"},
+        "cells": [], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu_cores": len(os.sched_getaffinity(0))}
+
+    def save() -> None:
+        cells = record["cells"]
+        if cells:
+            record["ours"] = cells[0].get("ours")
+            record["authors"] = cells[0].get("authors")
+        record["speedup"] = {
+            f"{c['alpha']:g}": {k: c["authors"][k] / c["ours"][k]
+                                for k in ("wall_s", "client_s", "server_s")}
+            for c in cells if c.get("ours") and c.get("authors")}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1))
+
+    record["training_engines"] = training_engines("cpu" if args.cpu else "cuda")
+    print(f"training engines: {json.dumps(record['training_engines'])}", flush=True)
+    save()
+    for alpha in alphas:
+        print(f"ours, alpha {alpha:g} ...", flush=True)
+        figures = ours(alpha, args.seed, args.epochs, args.splits, args.out)
+        record["cells"].append({"alpha": alpha, "seed": args.seed, "ours": figures})
+        record["clients_on_gpu"] = all(d.startswith("cuda") for c in record["cells"]
+                                       for d in c["ours"]["client_devices"])
+        print(json.dumps(figures), flush=True)
+        save()
+    if not args.skip_authors:
+        work = Path(tempfile.mkdtemp(prefix="fedbens-authors-"))
+        prepare_authors_work(args.data_dir, work)
+        print(f"the authors' code at alphas {args.alphas} in {work} ...", flush=True)
+        theirs = authors(alphas, args.seed, args.epochs, args.authors_code.resolve(), work,
+                         args.cpu, args.authors_parallel, args.authors_site)
+        for cell in record["cells"]:
+            if cell["alpha"] in theirs:
+                cell["authors"] = theirs[cell["alpha"]]
+        save()
+    print("\n| alpha | who | accuracy % | NLL | whole run s | client phase s | server s |")
+    print("|---|---|---|---|---|---|---|")
+    for cell in record["cells"]:
+        for who in ("ours", "authors"):
+            if who in cell:
+                f = cell[who]
+                print(f"| {cell['alpha']:g} | {who} | {100 * f['accuracy']:.2f} | "
+                      f"{f['nll']:.3f} | {f['wall_s']:.1f} | {f['client_s']:.1f} | "
+                      f"{f['server_s']:.1f} |")
+    for alpha, ratio in record["speedup"].items():
+        print(f"alpha {alpha}: ours is {ratio['wall_s']:.1f}x faster whole run, "
+              f"{ratio['client_s']:.1f}x client phase, {ratio['server_s']:.1f}x server")
+    print(f"saved {args.json}")
+
+
+if __name__ == "__main__":
+    main()
