@@ -44,7 +44,8 @@ DEVICE_DATA_BYTES = 2**30
 
 def supports(models: Sequence[nn.Module]) -> bool:
     """Whether :func:`train_vmapped` can train ``models`` together: one architecture (the
-    same parameter names and shapes), no buffers, no active dropout, all on one device (the
+    same parameter names and shapes, all trainable), no buffers, no active dropout, all on one
+    device (the
     engine runs on the CPU too, where :mod:`fedfusion.accel.stacked` is faster)."""
     if not models:
         return False
@@ -54,6 +55,8 @@ def supports(models: Sequence[nn.Module]) -> bool:
     shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in models]
     if any(s != shapes[0] for s in shapes) or not shapes[0]:
         return False
+    if not all(p.requires_grad for m in models for p in m.parameters()):
+        return False  # frozen parameters: SGD leaves them, this engine would not
     for module in models[0].modules():
         if isinstance(module, DROPOUT) and module.p > 0:
             return False

@@ -81,7 +81,9 @@ def test_models_it_cannot_stack_are_refused():
     bn = _members("bn_cnn", (1, 28, 28), {})  # BatchNorm's running statistics are buffers
     mixed = [build_model("mlp", (1, 28, 28), 10), build_model("lenet", (1, 28, 28), 10)]
     x, y = _data((1, 28, 28), 20)
-    for models in (bn, mixed, [_Dropout(0.2), _Dropout(0.2)], []):
+    frozen = _members("lenet", (1, 28, 28), {})
+    frozen[0].features[0].weight.requires_grad_(False)  # SGD would leave it: so must we
+    for models in (bn, mixed, [_Dropout(0.2), _Dropout(0.2)], frozen, []):
         assert not vmapped.supports(models)
         assert vmapped.train_vmapped(models, x, y, 1, 0.1, 0.9, 8, [0] * len(models)) is None
     assert vmapped.supports([_Dropout(0.0), _Dropout(0.0)])  # p = 0 draws nothing
