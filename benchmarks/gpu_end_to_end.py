@@ -12,14 +12,14 @@ validation rows (``fedbens-authors-splits.npz``), at each ``--alphas``, ``--seed
 * **authors**: their ``main_FedBEns_kron.py``, unchanged, in a child process
   (``benchmarks/authors_code.py``: their native CUDA setting, phases timed by wrappers).
 
-``--authors-parallel`` runs the authors' alphas at once, each on its own half of the cores
-(their steps are launch-bound, the card mostly idle), to fit a device lease; the JSON says so.
-Ours always runs alone. With no GPU the same script runs on the CPU (``--cpu``: their code's
-one word 'cuda' replaced), as a dry run with ``--epochs 1``.
+Every run is a fresh process of its own (its CUDA start-up and data loading counted, as in
+theirs), one at a time: ours at each alpha, then theirs, then a short comparison of our two
+training engines on the card (:func:`training_engines`). With no GPU the same script runs on
+the CPU (``--cpu``: their code's one word 'cuda' replaced), as a dry run with ``--epochs 1``.
 
     python benchmarks/gpu_end_to_end.py --authors-code DIR/One_shot_FL --data-dir FMNIST_IDX \\
         [--splits ../shared/data/fedbens-authors-splits.npz] [--alphas 0.1,0.4] [--seed 0] \\
-        [--epochs 20] [--authors-parallel] [--cpu] [--json benchmarks/results/gpu_end_to_end.json]
+        [--epochs 20] [--authors-site DIR] [--cpu] [--json benchmarks/results/gpu_end_to_end.json]
 
 Writes the JSON after every finished run (so a run cut short keeps what it measured):
 ``device`` (the card's name), ``clients_on_gpu``, ``ours`` / ``authors`` (the first alpha:
@@ -62,7 +62,7 @@ def ours(alpha: float, seed: int, epochs: int, splits: Path, out: str) -> dict[s
         f"partition-key=C5_a{alpha:g} val-source=file {PAPER_ALGORITHM}", out, name)
     wall = time.perf_counter() - start
     if results.get("status") != "ok":
-        raise SystemExit(f"our run at alpha {alpha:g} failed: {results.get('error')}")
+        return {"error": f"our run at alpha {alpha:g} failed: {results.get('error')}"}
     timing, clients = results["timing"], results["clients"]
     return {
         "wall_s": wall, "client_s": timing["client_round_s"],
@@ -101,42 +101,42 @@ def training_engines(device: str, rows: int = 15000, members: int = 5) -> dict[s
             "speedup": seconds["one_by_one"] / seconds["accelerated"]}
 
 
-def authors(alphas: list[float], seed: int, epochs: int, code: Path, work: Path, cpu: bool,
-            parallel: bool, site: str) -> dict[float, dict[str, Any]]:
-    """Their script at each alpha (in child processes, at once when ``parallel``), with
-    ``site`` (their pinned packages, e.g. laplace-torch 0.2.2.2) first on the path."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // len(alphas)) if parallel else len(cores)
+def child(command: list[str], target: Path, log: Path, env: dict[str, str] | None = None
+          ) -> dict[str, Any]:
+    """``command`` in a fresh process (its own CUDA start-up and data loading, as each run
+    of the authors' code has), writing its figures to ``target``; an ``error`` naming the
+    log's end where it failed."""
+    target.unlink(missing_ok=True)
+    with log.open("w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                              check=False).returncode
+    if code != 0 or not target.is_file():
+        return {"error": f"exit {code}; the end of {log}:\n{log.read_text()[-1500:]}"}
+    return json.loads(target.read_text())
+
+
+def ours_in_child(alpha: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    target = work / f"ours-a{alpha:g}.json"
+    command = [sys.executable, __file__, "--ours-cell", str(alpha), "--cell-json", str(target),
+               "--seed", str(args.seed), "--epochs", str(args.epochs), "--splits",
+               str(args.splits), "--out", args.out, "--data-dir", str(args.data_dir),
+               "--authors-code", str(args.authors_code)]
+    return child(command, target, work / f"ours-a{alpha:g}.log")
+
+
+def authors_in_child(alpha: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Their script at ``alpha`` with ``--authors-site`` (their pinned packages, e.g.
+    laplace-torch 0.2.2.2) first on its path."""
     env = dict(os.environ)
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
-    running = []
-    for i, alpha in enumerate(alphas):
-        target = work / f"authors-a{alpha:g}-s{seed}.json"
-        target.unlink(missing_ok=True)
-        command = [sys.executable, str(AUTHORS_CODE), "--code", str(code), "--work", str(work),
-                   "--alpha", str(alpha), "--seed", str(seed), "--epochs", str(epochs),
-                   "--json", str(target)] + (["--cpu"] if cpu else [])
-        mine = cores[i * share:(i + 1) * share] if parallel else cores
-        log = (work / f"authors-a{alpha:g}-s{seed}.log").open("w")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=lambda c=mine: os.sched_setaffinity(0, c))
-        running.append((alpha, target, process, log))
-        if not parallel:
-            process.wait()
-    figures = {}
-    for alpha, target, process, log in running:
-        process.wait()
-        log.close()
-        if process.returncode != 0 or not target.is_file():
-            tail = (work / f"authors-a{alpha:g}-s{seed}.log").read_text()[-2000:]
-            print(f"the authors' code failed at alpha {alpha:g} "
-                  f"(exit {process.returncode}):\n{tail}")
-            continue
-        figures[alpha] = {**json.loads(target.read_text()),
-                          "concurrent_runs": len(alphas) if parallel else 1,
-                          "cores": share}
-    return figures
+    if args.authors_site:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (args.authors_site, env.get("PYTHONPATH")) if p)
+    target = work / f"authors-a{alpha:g}.json"
+    command = [sys.executable, str(AUTHORS_CODE), "--code", str(args.authors_code.resolve()),
+               "--work", str(work), "--alpha", str(alpha), "--seed", str(args.seed),
+               "--epochs", str(args.epochs), "--json", str(target)] + (
+                   ["--cpu"] if args.cpu else [])
+    return child(command, target, work / f"authors-a{alpha:g}.log", env)
 
 
 def prepare_authors_work(data_dir: Path, work: Path) -> None:
@@ -167,67 +167,72 @@ def main() -> None:
     parser.add_argument("--alphas", default="0.1,0.4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--authors-parallel", action="store_true")
     parser.add_argument("--authors-site", default="",
                         help="a folder of the packages their code pins, first on its path")
     parser.add_argument("--skip-authors", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="a dry run without a GPU")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-gpu-end-to-end"))
     parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--ours-cell", type=float, help=argparse.SUPPRESS)  # the child's work
+    parser.add_argument("--cell-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    alphas = [float(a) for a in args.alphas.split(",")]
     os.environ["FEDFUSION_DATA_DIR"] = str(args.data_dir.resolve())
+    if args.ours_cell is not None:
+        args.cell_json.write_text(json.dumps(
+            ours(args.ours_cell, args.seed, args.epochs, args.splits, args.out)))
+        return
+    alphas = [float(a) for a in args.alphas.split(",")]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if gpu is None and not args.cpu:
         raise SystemExit("no CUDA device here: pass --cpu for a dry run on the CPU")
+    work = Path(tempfile.mkdtemp(prefix="fedbens-side-by-side-"))
     record: dict[str, Any] = {
         "device": gpu or "cpu", "torch": torch.__version__, "clients_on_gpu": None,
         "setting": {"alphas": alphas, "seed": args.seed, "local_epochs": args.epochs,
                     "clients": 5, "members": 5, "structure": "kron",
                     "server": "the paper's algorithm (median starts, 300 Adam steps)",
-                    "split": "the authors' (fedbens-authors-splits.npz)"},
-        "cells": [], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "cpu_cores": len(os.sched_getaffinity(0))}
+                    "split": "the authors' (fedbens-authors-splits.npz)",
+                    "runs": "each in a fresh process, one at a time: ours at every alpha, "
+                            "then theirs"},
+        "cells": [{"alpha": alpha, "seed": args.seed} for alpha in alphas],
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu_cores": len(os.sched_getaffinity(0)), "logs": str(work)}
 
     def save() -> None:
         cells = record["cells"]
-        if cells:
-            record["ours"] = cells[0].get("ours")
-            record["authors"] = cells[0].get("authors")
-        record["speedup"] = {
-            f"{c['alpha']:g}": {k: c["authors"][k] / c["ours"][k]
-                                for k in ("wall_s", "client_s", "server_s")}
-            for c in cells if c.get("ours") and c.get("authors")}
+        record["ours"], record["authors"] = cells[0].get("ours"), cells[0].get("authors")
+        done = [c for c in cells if "wall_s" in c.get("ours", {})
+                and "wall_s" in c.get("authors", {})]
+        record["speedup"] = {f"{c['alpha']:g}": {k: c["authors"][k] / c["ours"][k]
+                                                 for k in ("wall_s", "client_s", "server_s")}
+                             for c in done}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1))
 
+    for cell in record["cells"]:
+        print(f"ours, alpha {cell['alpha']:g} ...", flush=True)
+        cell["ours"] = ours_in_child(cell["alpha"], args, work)
+        print(json.dumps(cell["ours"])[:2000], flush=True)
+        devices = [d for c in record["cells"] for d in c.get("ours", {}).get(
+            "client_devices", [])]
+        record["clients_on_gpu"] = bool(devices) and all(d.startswith("cuda") for d in devices)
+        save()
+    if not args.skip_authors:
+        prepare_authors_work(args.data_dir, work)
+        for cell in record["cells"]:
+            print(f"the authors' code, alpha {cell['alpha']:g}, in {work} ...", flush=True)
+            cell["authors"] = authors_in_child(cell["alpha"], args, work)
+            print(json.dumps(cell["authors"])[:2000], flush=True)
+            save()
     record["training_engines"] = training_engines("cpu" if args.cpu else "cuda")
     print(f"training engines: {json.dumps(record['training_engines'])}", flush=True)
     save()
-    for alpha in alphas:
-        print(f"ours, alpha {alpha:g} ...", flush=True)
-        figures = ours(alpha, args.seed, args.epochs, args.splits, args.out)
-        record["cells"].append({"alpha": alpha, "seed": args.seed, "ours": figures})
-        record["clients_on_gpu"] = all(d.startswith("cuda") for c in record["cells"]
-                                       for d in c["ours"]["client_devices"])
-        print(json.dumps(figures), flush=True)
-        save()
-    if not args.skip_authors:
-        work = Path(tempfile.mkdtemp(prefix="fedbens-authors-"))
-        prepare_authors_work(args.data_dir, work)
-        print(f"the authors' code at alphas {args.alphas} in {work} ...", flush=True)
-        theirs = authors(alphas, args.seed, args.epochs, args.authors_code.resolve(), work,
-                         args.cpu, args.authors_parallel, args.authors_site)
-        for cell in record["cells"]:
-            if cell["alpha"] in theirs:
-                cell["authors"] = theirs[cell["alpha"]]
-        save()
     print("\n| alpha | who | accuracy % | NLL | whole run s | client phase s | server s |")
     print("|---|---|---|---|---|---|---|")
     for cell in record["cells"]:
         for who in ("ours", "authors"):
-            if who in cell:
-                f = cell[who]
+            f = cell.get(who, {})
+            if "wall_s" in f:
                 print(f"| {cell['alpha']:g} | {who} | {100 * f['accuracy']:.2f} | "
                       f"{f['nll']:.3f} | {f['wall_s']:.1f} | {f['client_s']:.1f} | "
                       f"{f['server_s']:.1f} |")
@@ -235,6 +240,10 @@ def main() -> None:
         print(f"alpha {alpha}: ours is {ratio['wall_s']:.1f}x faster whole run, "
               f"{ratio['client_s']:.1f}x client phase, {ratio['server_s']:.1f}x server")
     print(f"saved {args.json}")
+    failed = [f"{who} at alpha {c['alpha']:g}" for c in record["cells"]
+              for who in ("ours", "authors") if "error" in c.get(who, {})]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)} (errors in {args.json})")
 
 
 if __name__ == "__main__":

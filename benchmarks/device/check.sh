@@ -8,22 +8,33 @@
 #                                              on the card (scale.py gpu); the server on CPU vs
 #                                              GPU at C = 5 / 40 / 100 (server_device.py)
 # Logs and JSON go to $OUT, which the device tool brings back; copy the JSON into
-# benchmarks/results/ here. PYTHON (default python3: the image's, holding torch) runs it all.
+# benchmarks/results/ here. IMAGE_PYTHON (default python3: the image's, holding torch) is left
+# as it is: the wheels go into a venv of ours that sees the image's packages behind its own.
 # DRY_RUN=1 tries the same set-up on a machine without a GPU: one local epoch on the CPU, a
 # 3-client flwr run instead of the C = 100 one, the server at C = 3 on the CPU alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:?usage: check.sh clients|scale}
 OUT=${OUT:-/tmp/fedfusion-device-out}
-PY=${PYTHON:-python3}
+IMAGE_PY=${IMAGE_PYTHON:-python3}
+VENV=/tmp/fedfusion-venv PY=/tmp/fedfusion-venv/bin/python
 FMNIST_DIR=/tmp/fedfusion-fmnist
 export PYTHONUNBUFFERED=1 FEDFUSION_DATA_DIR=$FMNIST_DIR
 mkdir -p "$OUT"
+failed=""  # the steps that failed: the script's exit status says so at the end
 quiet() { grep -v -E "fedfusion client [0-9]+ member|^\s*$" || true; }  # per-member lines
 
-install_clients() {  # our wheels into the image's environment; the authors' pins apart; data
+make_venv() {  # ours, its site-packages first, then the image's (a .pth file): torch and co.
+  [ -x $PY ] && return
+  $IMAGE_PY -m venv --without-pip $VENV || exit 1
+  $IMAGE_PY -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' \
+    > "$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/image.pth"
+}
+
+install_clients() {  # our wheels into our venv; the authors' pins apart; the data
   [ -d .device/clients ] || { echo "no .device/clients here: run 'check.sh clients' (carry" \
     ".device/clients) on this machine first"; exit 2; }
+  make_venv
   $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/clients/wheels/ours/*.whl \
     || exit 1
   $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target \
@@ -35,19 +46,21 @@ case $PART in
 clients)
   start=$(date +%s)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
-    | tee -a "$OUT/gpu.txt"
   install_clients
   echo "installed in $(( $(date +%s) - start )) s"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+    | tee -a "$OUT/gpu.txt"
   # the tests that skip without a GPU, and the device choice and the vmapped engine
   $PY -m pytest -q -p no:cacheprovider tests/accel/test_vmapped.py \
-    tests/app/test_client_device.py tests/strategies/test_server_gpu.py 2>&1 \
-    | tee "$OUT/gpu-tests.log" | tail -4
+    tests/app/test_client_device.py tests/strategies/test_server_gpu.py > "$OUT/gpu-tests.log" \
+    2>&1 || failed+=" gpu-tests"
+  tail -4 "$OUT/gpu-tests.log"
   dry=(); [ "${DRY_RUN:-0}" = 1 ] && dry=(--cpu --epochs 1 --alphas 0.1)
   $PY benchmarks/gpu_end_to_end.py "${dry[@]}" --authors-code .device/clients/authors/One_shot_FL \
     --data-dir $FMNIST_DIR --splits .device/clients/data/fedbens-authors-splits.npz \
-    --authors-site /tmp/authors-site --authors-parallel --json "$OUT/gpu_end_to_end.json" \
-    2>&1 | tee "$OUT/gpu_end_to_end.log" | quiet | tail -40
+    --authors-site /tmp/authors-site --json "$OUT/gpu_end_to_end.json" \
+    > "$OUT/gpu_end_to_end.log" 2>&1 || failed+=" gpu_end_to_end"
+  quiet < "$OUT/gpu_end_to_end.log" | tail -40
   ;;
 scale)
   $PY -c "import flwr, laplace" 2>/dev/null || install_clients
@@ -59,17 +72,23 @@ scale)
     uploads=outputs/device-dry-run/c3/uploads cells=3
     $PY -c "from fedfusion.app.launch import launch; r = launch(\"strategy=fedbens \
 num-clients=3 num-members=2 local-epochs=1 train-subset=1200 output-dir='outputs/device-dry-run' \
-run-name=c3\"); print('dry run:', r['status'], r['test']['accuracy'])" 2>&1 \
-      | tee "$OUT/scale-gpu.log" | quiet | tail -5
+run-name=c3\"); print('dry run:', r['status'], r['test']['accuracy'])" \
+      > "$OUT/scale-gpu.log" 2>&1 || failed+=" dry-run"
+    quiet < "$OUT/scale-gpu.log" | tail -5
   else
     uploads=outputs/bench-scale/c100_m5_s0_gpu/uploads cells=5,40,100
-    $PY benchmarks/scale.py gpu 2>&1 | tee "$OUT/scale-gpu.log" | quiet | tail -30
+    $PY benchmarks/scale.py gpu > "$OUT/scale-gpu.log" 2>&1 && cp benchmarks/results/scale.json \
+      "$OUT/" || failed+=" scale-gpu"
+    quiet < "$OUT/scale-gpu.log" | tail -30
   fi
-  cp benchmarks/results/scale.json "$OUT/"
+  rm -f benchmarks/results/server_device.json  # only a fresh one goes back
   timeout 300 $PY benchmarks/server_device.py --cells $cells --defaults --uploads $uploads \
-    2>&1 | tee "$OUT/server-device.log" | tail -30
-  cp benchmarks/results/server_device.json "$OUT/"
+    > "$OUT/server-device.log" 2>&1 && cp benchmarks/results/server_device.json "$OUT/" \
+    || failed+=" server_device"
+  tail -30 "$OUT/server-device.log"
   ;;
 *)
   echo "check.sh: unknown part '$PART' (clients or scale)"; exit 2 ;;
 esac
+[ -z "$failed" ] || { echo "check.sh $PART: FAILED:$failed (logs in $OUT)"; exit 1; }
+echo "check.sh $PART: every step passed"

@@ -23,6 +23,7 @@ when it is at most :data:`DEVICE_DATA_BYTES`, else a batch of every member at a 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -34,11 +35,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fedfusion.device import model_device
 
+log = logging.getLogger("fedfusion")
+
 #: the layers that draw random numbers in training mode (refused: vmap would need its own
 #: randomness, so a member would no longer match its one-by-one training)
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
            nn.FeatureAlphaDropout)
-#: a client's training inputs up to this size are copied to the GPU once, not per step
+#: a client's training inputs up to this size (and a quarter of the GPU's free memory) are
+#: copied to the GPU once, not per step
 DEVICE_DATA_BYTES = 2**30
 
 
@@ -52,9 +56,14 @@ def supports(models: Sequence[nn.Module]) -> bool:
     device = model_device(models[0])
     if any(model_device(m) != device for m in models):
         return False
+    if any(type(m) is not type(models[0]) for m in models):
+        return False  # the first member's forward runs for all of them
     shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in models]
     if any(s != shapes[0] for s in shapes) or not shapes[0]:
         return False
+    parameters = [p for m in models for p in m.parameters()]
+    if len({id(p) for p in parameters}) != len(parameters):
+        return False  # members sharing a tensor: trained one by one, each step moves it
     if not all(p.requires_grad for m in models for p in m.parameters()):
         return False  # frozen parameters: SGD leaves them, this engine would not
     for module in models[0].modules():
@@ -69,9 +78,24 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
                   epochs: int, lr: float, momentum: float, batch_size: int,
                   seeds: Sequence[int]) -> tuple[float, list[float]] | None:
     """Train ``models`` in place, member m with batch order ``seeds[m]``; returns the wall
-    seconds and each member's last-batch loss, or None when :func:`supports` says no."""
+    seconds and each member's last-batch loss, or None when :func:`supports` says no or the
+    model's forward cannot run under ``vmap`` (an op without a batching rule, data-dependent
+    control flow) or the stacked step does not fit in memory: the models are then untouched
+    (they are written only at the end) and train one by one."""
     if not supports(models):
         return None
+    try:
+        return _train(models, x, y, epochs, lr, momentum, batch_size, seeds)
+    except RuntimeError as error:  # torch.OutOfMemoryError is one too
+        log.warning("fedfusion: the %d members cannot train as one vmapped computation "
+                    "(%s: %.200s); training them one by one", len(models),
+                    type(error).__name__, error)
+        return None
+
+
+def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs: int,
+           lr: float, momentum: float, batch_size: int,
+           seeds: Sequence[int]) -> tuple[float, list[float]]:
     device = model_device(models[0])
     template = models[0]
     names = [name for name, _ in template.named_parameters()]
@@ -86,7 +110,8 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
             return F.cross_entropy(functional_call(template, params, (inputs,)), labels)
 
     step = vmap(grad_and_value(loss_of))
-    on_device = x.nbytes <= DEVICE_DATA_BYTES
+    on_device = x.nbytes <= DEVICE_DATA_BYTES and (
+        device.type != "cuda" or x.nbytes <= torch.cuda.mem_get_info(device)[0] // 4)
     xs, ys = (x.to(device), y.to(device)) if on_device else (x, y)
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     n = len(y)

@@ -89,6 +89,37 @@ def test_models_it_cannot_stack_are_refused():
     assert vmapped.supports([_Dropout(0.0), _Dropout(0.0)])  # p = 0 draws nothing
 
 
+class _Branching(nn.Module):
+    """Data-dependent control flow: ``vmap`` cannot run it (``.item()`` on a batched value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return out if out.sum() > 0 else -out
+
+
+def test_members_it_cannot_run_are_left_untouched_and_train_one_by_one():
+    x, y = _data((1, 28, 28), 40)
+    torch.manual_seed(0)
+    members = [_Branching() for _ in SEEDS]
+    start = [copy.deepcopy(m.state_dict()) for m in members]
+    assert vmapped.supports(members)  # nothing in its structure says no ...
+    assert vmapped.train_vmapped(members, x, y, 1, 0.1, 0.9, 8, SEEDS) is None  # ... vmap does
+    for model, state in zip(members, start, strict=True):
+        assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+    expected = copy.deepcopy(members)
+    for model, seed in zip(expected, SEEDS, strict=True):
+        train_local(model, x, y, CONFIG, seed)
+    train_members(members, x, y, CONFIG, SEEDS, accelerate=True)  # the CPU path: one by one
+    assert _max_difference(members, expected) == 0.0
+    shared = nn.Linear(4, 3)  # two members holding the same tensor: refused
+    assert not vmapped.supports([nn.Sequential(nn.Flatten(), shared),
+                                 nn.Sequential(nn.Flatten(), shared)])
+
+
 def test_train_members_sends_gpu_members_to_it_only_when_asked(monkeypatch):
     """Members reported on a GPU (the report is faked: the math runs on the CPU) train through
     the vmapped engine with ``accelerate``, one by one without it or with loss terms; both
