@@ -33,8 +33,6 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fedfusion.device import model_device
-
 log = logging.getLogger("fedfusion")
 
 #: the layers that draw random numbers in training mode (refused: vmap would need its own
@@ -53,8 +51,8 @@ def supports(models: Sequence[nn.Module]) -> bool:
     engine runs on the CPU too, where :mod:`fedfusion.accel.stacked` is faster)."""
     if not models:
         return False
-    device = model_device(models[0])
-    if any(model_device(m) != device for m in models):
+    devices = {p.device for m in models for p in m.parameters()}
+    if len(devices) != 1:
         return False
     if any(type(m) is not type(models[0]) for m in models):
         return False  # the first member's forward runs for all of them
@@ -96,7 +94,7 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
 def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs: int,
            lr: float, momentum: float, batch_size: int,
            seeds: Sequence[int]) -> tuple[float, list[float]]:
-    device = model_device(models[0])
+    device = next(models[0].parameters()).device  # one device: supports() checked
     template = models[0]
     names = [name for name, _ in template.named_parameters()]
     weights = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
