@@ -13,9 +13,11 @@ validation rows (``fedbens-authors-splits.npz``), at each ``--alphas``, ``--seed
   (``benchmarks/authors_code.py``: their native CUDA setting, phases timed by wrappers).
 
 Every run is a fresh process of its own (its CUDA start-up and data loading counted, as in
-theirs), one at a time: ours at each alpha, then theirs, then a short comparison of our two
-training engines on the card (:func:`training_engines`). With no GPU the same script runs on
-the CPU (``--cpu``: their code's one word 'cuda' replaced), as a dry run with ``--epochs 1``.
+theirs), one at a time, alpha by alpha (ours, then theirs), then a short comparison of our
+two training engines on the card (:func:`training_engines`). ``--deadline-s`` starts no run
+expected to end past it (its side's last run's time), so a device lease keeps whole pairs.
+With no GPU the same script runs on the CPU (``--cpu``: their code's one word 'cuda'
+replaced), as a dry run with ``--epochs 1``.
 
     python benchmarks/gpu_end_to_end.py --authors-code DIR/One_shot_FL --data-dir FMNIST_IDX \\
         [--splits ../shared/data/fedbens-authors-splits.npz] [--alphas 0.1,0.4] [--seed 0] \\
@@ -170,6 +172,9 @@ def main() -> None:
     parser.add_argument("--authors-site", default="",
                         help="a folder of the packages their code pins, first on its path")
     parser.add_argument("--skip-authors", action="store_true")
+    parser.add_argument("--deadline-s", type=float, default=0,
+                        help="start no run expected to end past this many seconds (its side's "
+                             "last run's time); 0 = none")
     parser.add_argument("--cpu", action="store_true", help="a dry run without a GPU")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-gpu-end-to-end"))
     parser.add_argument("--json", type=Path, default=RESULTS)
@@ -192,8 +197,8 @@ def main() -> None:
                     "clients": 5, "members": 5, "structure": "kron",
                     "server": "the paper's algorithm (median starts, 300 Adam steps)",
                     "split": "the authors' (fedbens-authors-splits.npz)",
-                    "runs": "each in a fresh process, one at a time: ours at every alpha, "
-                            "then theirs"},
+                    "runs": "each in a fresh process, one at a time: ours then theirs, "
+                            "alpha by alpha"},
         "cells": [{"alpha": alpha, "seed": args.seed} for alpha in alphas],
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu_cores": len(os.sched_getaffinity(0)), "logs": str(work)}
@@ -209,20 +214,28 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1))
 
-    for cell in record["cells"]:
-        print(f"ours, alpha {cell['alpha']:g} ...", flush=True)
-        cell["ours"] = ours_in_child(cell["alpha"], args, work)
-        print(json.dumps(cell["ours"])[:2000], flush=True)
-        devices = [d for c in record["cells"] for d in c.get("ours", {}).get(
-            "client_devices", [])]
-        record["clients_on_gpu"] = bool(devices) and all(d.startswith("cuda") for d in devices)
-        save()
-    if not args.skip_authors:
+    runs = {"ours": ours_in_child, "authors": authors_in_child}
+    if args.skip_authors:
+        del runs["authors"]
+    else:
         prepare_authors_work(args.data_dir, work)
-        for cell in record["cells"]:
-            print(f"the authors' code, alpha {cell['alpha']:g}, in {work} ...", flush=True)
-            cell["authors"] = authors_in_child(cell["alpha"], args, work)
-            print(json.dumps(cell["authors"])[:2000], flush=True)
+    started, took = time.perf_counter(), {}
+    for cell in record["cells"]:  # alpha by alpha: a lease cut short keeps whole pairs
+        for who, run in runs.items():
+            elapsed = time.perf_counter() - started
+            if args.deadline_s and elapsed + took.get(who, 0.0) > args.deadline_s:
+                cell[who] = {"skipped": f"--deadline-s {args.deadline_s:g}: {elapsed:.0f} s "
+                                        f"gone, its last run took {took.get(who, 0.0):.0f} s"}
+                print(f"{who}, alpha {cell['alpha']:g}: {cell[who]['skipped']}", flush=True)
+                continue
+            print(f"{who}, alpha {cell['alpha']:g} ...", flush=True)
+            cell[who] = run(cell["alpha"], args, work)
+            took[who] = time.perf_counter() - started - elapsed
+            print(json.dumps(cell[who])[:2000], flush=True)
+            devices = [d for c in record["cells"]
+                       for d in c.get("ours", {}).get("client_devices", [])]
+            record["clients_on_gpu"] = bool(devices) and all(
+                d.startswith("cuda") for d in devices)
             save()
     record["training_engines"] = training_engines("cpu" if args.cpu else "cuda")
     print(f"training engines: {json.dumps(record['training_engines'])}", flush=True)

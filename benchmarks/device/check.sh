@@ -12,6 +12,8 @@
 # as it is: the wheels go into a venv of ours that sees the image's packages behind its own.
 # DRY_RUN=1 tries the same set-up on a machine without a GPU: one local epoch on the CPU, a
 # 3-client flwr run instead of the C = 100 one, the server at C = 3 on the CPU alone.
+# DEADLINE_S (default 420) bounds the side-by-side runs of 'clients' (gpu_end_to_end.py
+# --deadline-s), leaving a 15-minute lease the time for the machine's start and 'scale'.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PART=${1:?usage: check.sh clients|scale}
@@ -58,7 +60,8 @@ clients)
   dry=(); [ "${DRY_RUN:-0}" = 1 ] && dry=(--cpu --epochs 1 --alphas 0.1)
   $PY benchmarks/gpu_end_to_end.py "${dry[@]}" --authors-code .device/clients/authors/One_shot_FL \
     --data-dir $FMNIST_DIR --splits .device/clients/data/fedbens-authors-splits.npz \
-    --authors-site /tmp/authors-site --json "$OUT/gpu_end_to_end.json" \
+    --authors-site /tmp/authors-site --deadline-s "${DEADLINE_S:-420}" \
+    --json "$OUT/gpu_end_to_end.json" \
     > "$OUT/gpu_end_to_end.log" 2>&1 || failed+=" gpu_end_to_end"
   quiet < "$OUT/gpu_end_to_end.log" | tail -40
   ;;
