@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import PAPER_ALGORITHM, REPO, cell, live_run
+from common import PAPER_ALGORITHM, REPO, cell, kron_fit_s, live_run
 
 RESULTS = REPO / "benchmarks" / "results" / "authors_setting.json"
 #: FedBEns before the stacked trainer (benchmarks/fedbens.py, the same setting)
@@ -192,7 +192,7 @@ def measure(alpha: float, seed: int, local_epochs: int, out: str) -> dict:
     clients = results["clients"]
     kinds = sampler.by_kind()
     client_kinds = [k for k in kinds if "ClientAppActor" in k]
-    fit_s = sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients)
+    fit_s = kron_fit_s(clients)
     load_s = sum(c.get("load_time_s", 0.0) for c in clients)
     client_s = sum(c.get("client_time_s", 0.0) for c in clients)
     ours = {

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import PAPER_ALGORITHM, REPO, cell
+from common import PAPER_ALGORITHM, REPO, cell, kron_fit_s
 from fedbens import (
     BASELINES,
     LABELS,
@@ -108,7 +108,7 @@ def run_cell(table: str, clients: int, alpha: float, seed: int, norm: str,
         return None
     clients_table = live["clients"]
     members = sum(c["num_members"] for c in clients_table)
-    kron_s = sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients_table)
+    kron_s = kron_fit_s(clients_table)
     row: dict = {
         "table": table, "clients": clients, "alpha": alpha, "seed": seed, "norm": norm,
         "partition_sha256": live["settings"]["partition-sha256"],

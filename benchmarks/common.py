@@ -65,6 +65,11 @@ def live_run_in_process(run_config: str, out: str, name: str) -> dict:
     return run_server(settings, InProcessGrid(settings))
 
 
+def kron_fit_s(clients: list[dict]) -> float:
+    """The clients' Kron fits of a results.json's ``clients`` table, summed (seconds)."""
+    return sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients)
+
+
 def own_peak_bytes() -> int:
     """This process's peak resident set (Linux ``VmHWM``: its own address space only; not
     ``ru_maxrss``, which Linux carries across ``exec`` from the parent)."""

@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import PAPER_ALGORITHM, REPO, live_run_in_process
+from common import PAPER_ALGORITHM, REPO, kron_fit_s, live_run_in_process
+
+from fedfusion.datasets.loading import IDX_FILES
 
 RESULTS = REPO / "benchmarks" / "results" / "gpu_end_to_end.json"
 SPLITS = REPO.parent / "shared" / "data" / "fedbens-authors-splits.npz"
 AUTHORS_CODE = REPO / "benchmarks" / "authors_code.py"
-FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                "t10k-labels-idx1-ubyte")
 
 
 def ours(alpha: float, seed: int, epochs: int, splits: Path, out: str) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def ours(alpha: float, seed: int, epochs: int, splits: Path, out: str) -> dict[s
     return {
         "wall_s": wall, "client_s": timing["client_round_s"],
         "client_train_s": timing["client_train_s_sum"],
-        "client_fit_s": sum(c["section_time_s"].get("curvature.kron", 0.0) for c in clients),
+        "client_fit_s": kron_fit_s(clients),
         "server_s": timing["server_fuse_s"], "eval_s": timing["server_eval_s"],
         "accuracy": results["test"]["accuracy"], "nll": results["test"]["nll"],
         "client_devices": sorted({str(c.get("device")) for c in clients}),
@@ -146,7 +146,7 @@ def prepare_authors_work(data_dir: Path, work: Path) -> None:
     files, unpacked, in FashionMNIST/raw (present files are not downloaded)."""
     raw = work / "data" / "fashionmnist" / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    for name in FMNIST_FILES:
+    for name in (stem for pair in IDX_FILES.values() for stem in pair):
         if (raw / name).is_file():
             continue
         if (data_dir / name).is_file():

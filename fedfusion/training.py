@@ -144,10 +144,9 @@ def train_members(
     stats: list[TrainStats] = []
     for net, chunk in zip(nets, chunks, strict=True):
         assert net is not None
-        seconds, losses = train_stacked(net, x, y, config.epochs, config.lr, config.momentum,
-                                        config.batch_size, seeds[chunk])
-        stats += [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
-                             final_loss=loss) for loss in losses]
+        stats += _shared_stats(*train_stacked(net, x, y, config.epochs, config.lr,
+                                              config.momentum, config.batch_size, seeds[chunk]),
+                               samples=len(y) * config.epochs)
     for model in models:
         model.eval()
     return stats
@@ -171,9 +170,13 @@ def _vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
                             config.batch_size, seeds)
     if trained is None:
         return None
-    seconds, losses = trained
-    return [TrainStats(seconds=seconds / len(losses), samples=len(y) * config.epochs,
-                       final_loss=loss) for loss in losses]
+    return _shared_stats(*trained, samples=len(y) * config.epochs)
+
+
+def _shared_stats(seconds: float, losses: Sequence[float], samples: int) -> list[TrainStats]:
+    """One engine run's members: each its share of the wall time and its last loss."""
+    return [TrainStats(seconds=seconds / len(losses), samples=samples, final_loss=loss)
+            for loss in losses]
 
 
 #: feature maps (and their gradients) of one stacked chunk of members, per step: above a

@@ -47,22 +47,18 @@ DEVICE_DATA_BYTES = 2**30
 def supports(models: Sequence[nn.Module]) -> bool:
     """Whether :func:`train_vmapped` can train ``models`` together: one architecture (the
     same parameter names and shapes, all trainable), no buffers, no active dropout, all on one
-    device (the
-    engine runs on the CPU too, where :mod:`fedfusion.accel.stacked` is faster)."""
-    if not models:
-        return False
-    devices = {p.device for m in models for p in m.parameters()}
-    if len(devices) != 1:
-        return False
-    if any(type(m) is not type(models[0]) for m in models):
+    device (the engine runs on the CPU too, where :mod:`fedfusion.accel.stacked` is faster)."""
+    if not models or any(type(m) is not type(models[0]) for m in models):
         return False  # the first member's forward runs for all of them
     shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in models]
     if any(s != shapes[0] for s in shapes) or not shapes[0]:
         return False
     parameters = [p for m in models for p in m.parameters()]
+    if len({p.device for p in parameters}) != 1:
+        return False
     if len({id(p) for p in parameters}) != len(parameters):
         return False  # members sharing a tensor: trained one by one, each step moves it
-    if not all(p.requires_grad for m in models for p in m.parameters()):
+    if not all(p.requires_grad for p in parameters):
         return False  # frozen parameters: SGD leaves them, this engine would not
     for module in models[0].modules():
         if isinstance(module, DROPOUT) and module.p > 0:
@@ -96,8 +92,9 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
            seeds: Sequence[int]) -> tuple[float, list[float]]:
     device = next(models[0].parameters()).device  # one device: supports() checked
     template = models[0]
-    names = [name for name, _ in template.named_parameters()]
-    weights = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
+    members = [dict(m.named_parameters()) for m in models]
+    names = list(members[0])
+    weights = {name: torch.stack([member[name].detach() for member in members])
                for name in names}
     velocity = {name: torch.zeros_like(w) for name, w in weights.items()}
 
@@ -129,8 +126,8 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
                 velocity[name].mul_(momentum).add_(grads[name])
                 weights[name].sub_(velocity[name], alpha=lr)
     with torch.no_grad():
-        for m, model in enumerate(models):
-            for name, parameter in model.named_parameters():
+        for m, (model, member) in enumerate(zip(models, members, strict=True)):
+            for name, parameter in member.items():
                 parameter.copy_(weights[name][m])
             model.eval()
     final = [float(v) for v in losses.detach().cpu().tolist()]  # waits for the GPU

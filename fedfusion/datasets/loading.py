@@ -51,7 +51,7 @@ DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 DEFAULT_DOWNLOAD_ROOT = Path("~/.cache/fedfusion/data")
 
 # (images, labels) file stems of the IDX format shared by MNIST and Fashion-MNIST.
-_IDX_FILES = {
+IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
@@ -173,7 +173,7 @@ def _read_idx_folder(folder: Path) -> dict[str, RawSplit] | None:
     """Read the four (Fashion-)MNIST IDX files from ``folder``; None if any is missing."""
     paths = {
         split: (_find_idx_file(folder, images), _find_idx_file(folder, labels))
-        for split, (images, labels) in _IDX_FILES.items()
+        for split, (images, labels) in IDX_FILES.items()
     }
     if any(path is None for pair in paths.values() for path in pair):
         return None
@@ -414,7 +414,7 @@ def _idx_sources(name: str, folder: Path | None) -> list[Path] | None:
     candidates = ([folder] if folder is not None else []) + (
         [DEBIAN_FMNIST_DIR] if name == "fmnist" else [])
     for candidate in candidates:
-        files = [_find_idx_file(candidate, stem) for pair in _IDX_FILES.values() for stem in pair]
+        files = [_find_idx_file(candidate, stem) for pair in IDX_FILES.values() for stem in pair]
         if all(f is not None for f in files):
             return [f for f in files if f is not None]
     return None

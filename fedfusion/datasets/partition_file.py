@@ -110,7 +110,7 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
     except PartitionError:
         raise
     except (*NPZ_READ_ERRORS, RecursionError,
-            MemoryError, OverflowError) as exc:  # the last two only if a check missed a case
+            MemoryError, OverflowError) as exc:  # the last three only if a check missed a case
         raise PartitionError(f"{where} is not a readable {suffix} file: "
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     try:
