@@ -81,7 +81,7 @@ child process (``--stage live``, its log in ``<out>/live-stage.log``) while this
 replays each cell as soon as its live run is done (``--stage replay``); ``--stage all`` does
 one cell after the other in one process.
 
-    .venv/bin/python benchmarks/real_models.py          # 24 cells, several hours here (see the page)
+    .venv/bin/python benchmarks/real_models.py          # 24 cells, hours here (see the page)
     .venv/bin/python benchmarks/real_models.py --models ln_mlp --alphas 0.1 --seeds 0 --quick
     .venv/bin/python benchmarks/real_models.py --tables-only   # tables of the saved JSON
     .venv/bin/python benchmarks/real_models.py --server fedfisher-steps=500 --out outputs/x

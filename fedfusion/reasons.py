@@ -13,7 +13,10 @@ def clip(text: str, limit: int) -> str:
 
 def brief(value: object, limit: int = 80) -> str:
     """``repr(value)`` clipped: client-controlled values appear in reasons, never in full."""
-    return clip(repr(value), limit)
+    try:
+        return clip(repr(value), limit)
+    except (ValueError, RecursionError):  # an int of over 4300 digits; hostile nesting
+        return f"<a {type(value).__name__} too large to show>"
 
 
 def name_list(names: Sequence[str], limit: int = 8) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import stat
 import zipfile
@@ -40,14 +41,20 @@ import numpy as np
 from fedfusion.reasons import brief, describe
 from fedfusion.wire.format import MAX_MEMBERS, SCHEMA, SCHEMA_VERSION, ClientUpload
 from fedfusion.wire.limits import DEFAULT_LIMITS, UploadLimits
-from fedfusion.wire.npy import ZIP_COMPRESSIONS, npy_layout, read_npy
+from fedfusion.wire.npy import ZIP_COMPRESSIONS, npy_layout, read_npy, zip_directory_bytes
 
 MANIFEST = "manifest.json"
-#: a manifest larger than this is refused unread (honest ones are a few KB per client)
-MAX_MANIFEST_BYTES = 64 * 1024**2
+#: a manifest larger than this is refused unread: honest entries are about 1 KB, and the
+#: metrics validation lets through (``UploadLimits.metrics_chars``, 1 MiB) bound each, so
+#: only hundreds of clients at that cap reach it (the writer then says so)
+MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_CLIENTS = 100_000
 #: bytes an npz may hold beyond its arrays' declared sizes (zip and .npy headers)
 NPZ_OVERHEAD_BYTES = 16 * 1024**2
+#: an npz whose zip directory declares more than this is refused before :mod:`zipfile` turns
+#: it into one object per entry (np.savez's names take ~100 bytes an array: 16 MiB is about
+#: 160,000 arrays, parsed in about a second; an honest ResNet-20 upload of M = 5 needs 0.3 MB)
+MAX_NPZ_DIRECTORY_BYTES = 16 * 1024**2
 #: cap on the uncompressed bytes ALL clients of a replay declare in their zip headers
 #: together (checked, with every ``.npy`` header, before any array is read): a replay holds
 #: every upload in memory at once, so its total is capped like one live client's upload
@@ -74,6 +81,8 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 #: (client, reason) of a client left out of a replay
 Failure = tuple[str, str]
+
+log = logging.getLogger("fedfusion")
 
 
 class UploadStoreError(ValueError):
@@ -179,9 +188,16 @@ class UploadWriter:
         } for upload in uploads]
         manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                     "run_config": self.run_config, "clients": clients}
+        text = json.dumps(manifest, indent=1).encode()
+        if len(text) > MAX_MANIFEST_BYTES:  # written all the same: nothing computed is lost
+            largest = sorted(clients, key=lambda e: -len(json.dumps(e["metrics"])))[:5]
+            log.error("upload folder %s: its manifest is %d bytes, above the %d that "
+                      "load_uploads reads (MAX_MANIFEST_BYTES); the clients with the largest "
+                      "metrics: %s", self.directory, len(text), MAX_MANIFEST_BYTES,
+                      [e["client_id"] for e in largest])
         directory = make_folder(self.directory)
         with open_no_follow(directory / MANIFEST) as handle:
-            handle.write(json.dumps(manifest, indent=1).encode())
+            handle.write(text)
         return directory
 
 
@@ -355,6 +371,11 @@ def _check_npz(path: Path, file: str, num_members: int, max_upload_bytes: int) -
         raise ValueError(f"{file} is {size} bytes, above the cap on one client's upload "
                          f"({max_upload_bytes} bytes, UploadLimits.upload_bytes)")
     arrays: list[tuple[zipfile.ZipInfo, int, str, str]] = []
+    with open(path, "rb") as handle:
+        directory = zip_directory_bytes(handle)
+    if directory > MAX_NPZ_DIRECTORY_BYTES:
+        raise ValueError(f"{file}: its zip directory declares {directory} bytes, above the cap "
+                         f"{MAX_NPZ_DIRECTORY_BYTES} (MAX_NPZ_DIRECTORY_BYTES); not parsed")
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
         declared = sum(info.file_size for info in infos)

@@ -48,6 +48,7 @@ from fedfusion.curvature import STRUCTURES
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.distillation import DISTILL_EPOCHS
 from fedfusion.flower.strategy import FusionStrategy
+from fedfusion.reasons import brief, describe
 from fedfusion.strategies.ams import TOP_K
 from fedfusion.strategies.ensemble import SIZE
 from fedfusion.strategies.fedbens.strategy import MODES, NUM_STARTS, PATIENCE, PREDICTIONS
@@ -923,10 +924,7 @@ class Settings:
     def parsed_model_kwargs(self) -> dict[str, Any]:
         if not self.model_kwargs:
             return {}
-        try:
-            kwargs = json.loads(self.model_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"run-config 'model-kwargs' is not JSON: {exc}") from exc
+        kwargs = _parse_json("model-kwargs", self.model_kwargs)
         if not isinstance(kwargs, dict):
             raise ConfigError("run-config 'model-kwargs' must be a JSON object")
         return kwargs
@@ -944,9 +942,13 @@ class Settings:
         if not self.fractions:
             return None
         try:
-            return tuple(float(v) for v in self.fractions.split(","))
+            fractions = tuple(float(v) for v in self.fractions.split(","))
         except ValueError as exc:
             raise ConfigError("run-config 'fractions' must look like '0.5,0.3,0.2'") from exc
+        if not all(0 < f < math.inf for f in fractions):
+            raise ConfigError(f"run-config 'fractions' must be positive numbers, got "
+                              f"{brief(self.fractions)}")
+        return fractions
 
 
     def parsed_input_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -1000,10 +1002,7 @@ class Settings:
             return None
         from fedfusion.models import available_models
 
-        try:
-            entries = json.loads(self.client_models)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"run-config 'client-models' is not JSON: {exc}") from exc
+        entries = _parse_json("client-models", self.client_models)
         if not isinstance(entries, list) or len(entries) != self.num_clients:
             raise ConfigError(
                 "run-config 'client-models' must be a JSON list with one entry per client "
@@ -1079,18 +1078,35 @@ def check_output_name(key: str, name: str) -> None:
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = {"str": str, "int": int, "float": float, "bool": bool}[str(annotation)]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
-        # flwr's --run-config types "input-mean=0.1307" as a float
-        return str(value)
+    try:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+            # flwr's --run-config types "input-mean=0.1307" as a float
+            return str(value)
+    except (OverflowError, ValueError) as exc:  # an int beyond float's range or 4300 digits
+        raise ConfigError(f"run-config {key!r}: {brief(value)} is not a usable "
+                          f"{kind.__name__} ({exc})") from exc
     if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(
-            f"run-config {key!r} must be {kind.__name__}, got {type(value).__name__} {value!r}"
-        )
+            f"run-config {key!r} must be {kind.__name__}, got {type(value).__name__} "
+            f"{brief(value)}")
     return value
+
+
+def _parse_json(key: str, text: str) -> Any:
+    """A run-config value that holds JSON, parsed; anything it cannot be is a ConfigError
+    naming ``key``."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
+        raise ConfigError(f"run-config {key!r} is not JSON: {describe(exc)}") from exc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def resolved_holdout(settings: Settings) -> float:

@@ -350,7 +350,7 @@ class Fusion(ABC):
         valid = []
         for upload in uploads:
             try:
-                self._check_architecture(upload)
+                self.check_upload(upload)
                 validate_upload(upload, self.context.param_shapes, self.required_sections,
                                 limits=self.upload_limits, table=self.section_table)
             except UploadError as exc:
@@ -489,9 +489,11 @@ class Fusion(ABC):
                 f"[{self.name}] the fused predictor outputs NaN/Inf on the validation inputs; "
                 f"clients fused: {[u.client_id for u in self.uploads]}")
 
-    def _check_architecture(self, upload: ClientUpload) -> None:
-        """Strategies with one architecture compare the declared one with the server's before
-        anything is built from it."""
+    def check_upload(self, upload: ClientUpload) -> None:
+        """What this strategy needs of one upload beyond :func:`~fedfusion.wire.
+        validate_upload`, checked as it arrives (an :class:`~fedfusion.wire.UploadError`
+        excludes that client alone): here, for strategies with one architecture, the declared
+        one against the server's, before anything is built from it."""
         spec = self.context.model_spec
         if self.same_architecture and not spec.same_architecture(upload.model,
                                                                   upload.model_kwargs):

@@ -151,10 +151,10 @@ def cap_num_examples(uploads: Sequence[ClientUpload], factor: float
     records: list[dict[str, Any]] = []
     for i, upload in enumerate(uploads):
         median = float(np.median(claims[:i] + claims[i + 1:]))
-        cap = max(1, math.floor(factor * median))
-        if claims[i] <= cap:
+        if claims[i] <= factor * median:  # compared as floats: factor may be huge
             out.append(upload)
             continue
+        cap = max(1, math.floor(factor * median))
         out.append(dataclasses.replace(upload, num_examples=cap))
         records.append({"client_id": upload.client_id, "node_id": upload.node_id,
                         "claimed": claims[i], "capped_to": cap, "median_of_others": median,

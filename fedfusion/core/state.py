@@ -127,6 +127,13 @@ class StateLayout(Mapping[str, tuple[int, ...]]):
         params = set(self.parameters)
         return tuple(name for name in self.shapes if name not in params)
 
+    @property
+    def variances(self) -> tuple[str, ...]:
+        """The buffers that hold a variance estimate (``running_var``, as PyTorch's
+        BatchNorm and InstanceNorm name it): >= 0, or the normalisation takes the square
+        root of a negative number."""
+        return tuple(name for name in self.buffers if name.rsplit(".", 1)[-1] == "running_var")
+
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters alone: what curvature sections cover."""
         return {name: self.shapes[name] for name in self.parameters}
@@ -179,18 +186,22 @@ def weighted_average(arrays: Sequence[dict[str, np.ndarray]], weights: AverageWe
     for name in arrays[0]:
         if name not in per_name:
             raise ValueError(f"no averaging weights for parameter {name!r}")
-        total = float(sum(per_name[name]))
+        given = np.asarray(per_name[name], dtype=np.float64)
+        if not np.isfinite(given).all():
+            raise ValueError(f"averaging weights of {name!r} must be finite, got {given}")
+        # divided by the largest first: weights near float's range sum without overflow
+        weights_of = given / max(float(np.abs(given).max(initial=0.0)), 1e-300)
+        total = float(weights_of.sum())
         if not total > 0:
-            raise ValueError(f"averaging weights of {name!r} sum to {total}, need > 0")
+            raise ValueError(f"averaging weights of {name!r} sum to {given.sum()}, need > 0")
         if arrays[0][name].dtype.kind != "f":
             # an integer counter (num_batches_tracked) or a bool/uint8 buffer has no
             # meaningful average: the heaviest client's value (the first on ties)
-            heaviest = int(np.argmax(np.asarray(per_name[name], dtype=np.float64)))
+            heaviest = int(np.argmax(weights_of))
             averaged[name] = arrays[heaviest][name].copy()
             continue
         averaged[name] = (
-            sum(w * a[name].astype(np.float64) for a, w in zip(arrays, per_name[name],
-                                                                strict=True))
+            sum(w * a[name].astype(np.float64) for a, w in zip(arrays, weights_of, strict=True))
             / total).astype(arrays[0][name].dtype)
     return averaged
 

@@ -37,7 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
-from fedfusion.wire.npy import NPZ_READ_ERRORS, ZIP_COMPRESSIONS, NpyLayout, npy_layout, read_npy
+from fedfusion.wire.npy import (
+    NPZ_READ_ERRORS,
+    ZIP_COMPRESSIONS,
+    NpyLayout,
+    npy_layout,
+    read_npy,
+    zip_directory_bytes,
+)
 from fedfusion.wire.validation import json_depth
 
 #: a partition file larger than this is refused unread (60,000 rows as JSON are ~0.4 MB)
@@ -188,10 +195,7 @@ def _read_npz(path: Path, key: str, where: str, num_rows: int, num_clients: int
     with open(path, "rb") as handle:
         if not zipfile.is_zipfile(handle):  # e.g. a bare .npy under an .npz name
             raise PartitionError(f"{where} is not an .npz archive (np.savez writes one)")
-        # the end record ZipFile itself reads (private, but it decides how many directory
-        # bytes ZipFile parses: a parser of our own could disagree with it)
-        end = zipfile._EndRecData(handle)
-        directory = end[zipfile._ECD_SIZE] if end else 0
+        directory = zip_directory_bytes(handle)
         if directory > MAX_PARTITION_DIRECTORY_BYTES:
             raise PartitionError(f"{where}: its zip directory declares {directory} bytes, over "
                                  f"the {MAX_PARTITION_DIRECTORY_BYTES} byte limit of a "
@@ -203,7 +207,10 @@ def _read_npz(path: Path, key: str, where: str, num_rows: int, num_clients: int
             match = _CLIENT_NAME.fullmatch(name[len(prefix):]) if name.startswith(
                 prefix) else None
             if match:
-                found[int(match.group(1))] = name
+                first = found.setdefault(int(match.group(1)), name)
+                if first != name:  # "client1" and "client01": which would be client 1?
+                    raise PartitionError(f"{where} holds two arrays for client "
+                                         f"{int(match.group(1))}: {first!r} and {name!r}")
         if not found:
             groups = sorted({n.rsplit("/", 1)[0] for n in infos if "/" in n})
             hint = (f"; its groups are {', '.join(groups[:20])} (set partition-key)"

@@ -307,7 +307,7 @@ class FusionStrategy(Fusion, Strategy):
                 upload = decode_upload(reply.content, f"node {node}", self._declared_shapes,
                                        self.required_sections, limits=self.upload_limits,
                                        table=self.section_table)
-                self._check_architecture(upload)
+                self.check_upload(upload)
             except UploadError as exc:
                 self.exclude(server_round, exc.client, exc.problem, node=node)
                 continue

@@ -51,8 +51,13 @@ def check_weight_shapes(actual: Mapping[str, tuple[int, ...]],
 
 def validate_weights(arrays: Mapping[str, np.ndarray],
                      shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Names, shapes and dtypes as :func:`check_weight_shapes`; running variances >= 0."""
     check_weight_shapes({name: array.shape for name, array in arrays.items()}, shapes,
                         {name: array.dtype for name, array in arrays.items()})
+    for name in shapes.variances if isinstance(shapes, StateLayout) else ():
+        if (arrays[name] < 0).any():
+            raise ValueError(f"buffer {name!r} is a running variance but holds negative "
+                             f"values (min {float(arrays[name].min()):.4g})")
 
 
 def model_weights(model: nn.Module, x: torch.Tensor, y: torch.Tensor, options: SectionOptions,

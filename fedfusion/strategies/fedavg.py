@@ -12,6 +12,7 @@ client, or per parameter one weight per client (layer-wise averaging).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,14 +44,22 @@ class FedAvg(FusionStrategy):
         super().__init__(model_fn, **kwargs)
         self.weighted_by_key = weighted_by_key
 
+    def check_upload(self, upload: ClientUpload) -> None:
+        """The architecture (as every strategy) and, with a ``weighted_by_key`` metric, its
+        value: a client without a usable weight is excluded, not the round."""
+        super().check_upload(upload)
+        self.client_weight(upload)
+
     def client_weight(self, upload: ClientUpload) -> float:
         """The client's averaging weight: its ``weighted_by_key`` metric."""
         if self.weighted_by_key == "num-examples":
             return float(upload.num_examples)
         value = upload.metrics.get(self.weighted_by_key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                0 < value < math.inf):
             raise UploadError(upload.client_id, f"metric {self.weighted_by_key!r} "
-                              f"(weighted_by_key) must be a positive number, got {value!r}")
+                              f"(weighted_by_key) must be a finite positive number, got "
+                              f"{value!r}")
         return float(value)
 
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:

@@ -76,8 +76,8 @@ class FisherMerge(FusionStrategy):
     Parameters
     ----------
     floor : float, default 1e-6
-        A parameter whose summed Fisher is below ``floor`` times the layer's total falls back
-        to the sample-weighted average.
+        A parameter whose mean Fisher over the clients' examples (sum_i H_i / sum_i n_i) is
+        below ``floor`` falls back to the sample-weighted average.
     """
 
     name = "fisher-merge"

@@ -307,7 +307,7 @@ class PFNM(FusionStrategy):
     def _layers(self, model: str, kwargs: dict[str, object]) -> list[Layer]:
         return layer_chain(self.context.param_shapes(model, kwargs))
 
-    def _check_architecture(self, upload: ClientUpload) -> None:
+    def check_upload(self, upload: ClientUpload) -> None:
         """Any MLP of the server's depth and bias setting; widths may differ."""
         if upload.model != "mlp":
             raise UploadError(upload.client_id, f"model {upload.model!r} is not the zoo's "

@@ -182,9 +182,9 @@ class RegMean(FusionStrategy):
                 raise UploadError(upload.client_id, f"member {m} section {GRAM!r}: {exc}"
                                   ) from exc
 
-    def _check_architecture(self, upload: ClientUpload) -> None:
+    def check_upload(self, upload: ClientUpload) -> None:
         """The server's architecture (as every strategy), then :meth:`check_grams`."""
-        super()._check_architecture(upload)
+        super().check_upload(upload)
         self.check_grams(upload)
 
 

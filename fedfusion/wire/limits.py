@@ -23,7 +23,9 @@ class UploadLimits:
     nesting makes the parser recurse until RecursionError). ``name_chars``: model, section,
     array and metric names. ``arrays_per_section``: arrays in one member's section (a Kron
     section holds 4 per parameter). ``metrics`` / ``metric_length``: entries of
-    ``fedfusion.metrics`` and the length of a list-valued one."""
+    ``fedfusion.metrics`` and the length of a list-valued one; ``metrics_chars``: all of
+    them as JSON (an honest client's are about 1 KB; a 65,536-class histogram about 0.4 MB):
+    it bounds each client's entry in an upload folder's manifest."""
 
     upload_bytes: int = 2 * 1024**3
     num_examples: int = 10**9
@@ -33,6 +35,7 @@ class UploadLimits:
     arrays_per_section: int = 65536
     metrics: int = 1024
     metric_length: int = 65536
+    metrics_chars: int = 1024**2
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -36,6 +36,16 @@ MAX_NDIM = 32
 UPLOAD_DTYPES: tuple[type, ...] = tuple(dict.fromkeys(d.type for d in WIRE_DTYPES.values()))
 
 
+def zip_directory_bytes(handle: IO[bytes]) -> int:
+    """The size of the central directory a zip file's end record declares (0 when there is
+    none), read before :class:`zipfile.ZipFile` turns the directory into one object per
+    entry, so that a reader can cap that work first."""
+    # the end record ZipFile itself reads (private, but it decides how many directory bytes
+    # ZipFile parses: a parser of our own could disagree with it)
+    end = zipfile._EndRecData(handle)
+    return int(end[zipfile._ECD_SIZE]) if end else 0
+
+
 def checked_shape(name: str, shape: object) -> tuple[int, ...]:
     """``shape`` as a tuple of at most :data:`MAX_NDIM` sizes in ``0..2**62``; raises
     ValueError naming the array otherwise (a declared shape is untrusted)."""

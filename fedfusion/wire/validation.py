@@ -27,7 +27,7 @@ from fedfusion.wire.npy import UPLOAD_DTYPES
 MAX_REASON_CHARS = 2000
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 #: metrics the server turns into numbers (results.json): finite and >= 0
-_TIMING_METRICS = ("train-time-s", "stats-time-s")
+_TIMING_METRICS = ("train-time-s", "stats-time-s", "load-time-s", "client-time-s")
 _TIMING_PREFIX = "time-s/"
 
 
@@ -102,10 +102,15 @@ def _check_metrics(metrics: object, num_examples: int, who: str | int,
                    limits: UploadLimits) -> None:
     if not isinstance(metrics, dict) or len(metrics) > limits.metrics:
         raise UploadError(who, f"metrics must be a mapping of at most {limits.metrics} entries")
+    numbers = 0
     for key, value in metrics.items():
         if not isinstance(key, str) or len(key) > limits.name_chars:
             raise UploadError(who, f"metric name {brief(key)} is not a short string")
         items = value if isinstance(value, list) else [value]
+        numbers += len(items)
+        if numbers > limits.metrics_chars:  # each number is at least one character of JSON
+            raise UploadError(who, _metrics_too_large(f"more than {limits.metrics_chars} "
+                                                      "numbers", limits))
         if len(items) > limits.metric_length or not all(
                 isinstance(v, int | float) and not isinstance(v, bool) for v in items):
             raise UploadError(who, f"metric {key!r} must be a number or a list of at most "
@@ -116,6 +121,9 @@ def _check_metrics(metrics: object, num_examples: int, who: str | int,
                     isinstance(value, float) and not math.isfinite(value)):
                 raise UploadError(who, f"metric {key!r} must be a finite number >= 0, got "
                                        f"{brief(value)}")
+    chars = len(json.dumps(metrics))
+    if chars > limits.metrics_chars:
+        raise UploadError(who, _metrics_too_large(f"{chars} characters of JSON", limits))
     device = metrics.get(DEVICE_METRIC)
     if device is not None and device_label(device) is None:
         raise UploadError(who, f"metric {DEVICE_METRIC!r} must be an integer >= -2 (-1: CPU, "
@@ -129,6 +137,12 @@ def _check_metrics(metrics: object, num_examples: int, who: str | int,
         if sum(histogram) != num_examples:
             raise UploadError(who, f"num-examples is {num_examples} but the class histogram "
                                    f"sums to {sum(histogram)}")
+
+
+def _metrics_too_large(what: str, limits: UploadLimits) -> str:
+    return (f"its metrics are {what}, above the cap of {limits.metrics_chars} characters "
+            "(UploadLimits.metrics_chars; they are kept beside the upload in results and "
+            "upload folders)")
 
 
 def check_kwargs_text(text: str, who: str | int, limits: UploadLimits) -> None:

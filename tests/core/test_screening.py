@@ -313,6 +313,12 @@ def test_the_count_cap_equals_its_definition(claims, factor):
     assert [u.num_examples for u in uploads] == claims  # inputs untouched
 
 
+def test_a_count_cap_factor_near_floats_range_caps_nothing():
+    uploads = [ClientUpload(c, "Tiny", {}, n, []) for c, n in enumerate([10**9, 5, 7])]
+    capped, records = cap_num_examples(uploads, 1e306)  # 1e306 x 1e9 is inf as a float
+    assert [u.num_examples for u in capped] == [10**9, 5, 7] and records == []
+
+
 def test_chance_level_and_margin():
     y = torch.tensor([0] * 60 + [1] * 20 + [2] * 20)
     assert chance_level(y, 3) == 0.6  # the majority class beats 1/3

@@ -79,6 +79,9 @@ def test_npz_defects_are_named(tmp_path):
         read_partition_file(path, 10, 2, key="A")
     with pytest.raises(PartitionError, match="its groups are A .set partition-key"):
         read_partition_file(path, 10, 2)
+    np.savez(path, client0=np.array([0, 1]), client1=np.array([2, 3]), client01=np.array([4]))
+    with pytest.raises(PartitionError, match="two arrays for client 1: 'client1' and 'client01'"):
+        read_partition_file(path, 10, 2)
     np.savez(path, client0=np.array([[0, 1]]), client1=np.array([2]))
     with pytest.raises(PartitionError, match="client 0 must be a 1-D integer array"):
         read_partition_file(path, 10, 2)

@@ -26,6 +26,24 @@ def test_fedavg_is_the_sample_weighted_mean():
         np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, 0, None])
+def test_fedavg_by_a_metric_excludes_a_client_without_a_usable_weight(bad):
+    """weighted_by_key: the client whose metric is no finite positive number is excluded,
+    not the round; the others are averaged by their metric even near float's range."""
+    uploads = [make_upload(i, members=1, seed=i) for i in range(3)]
+    for upload, weight in zip(uploads, (1e308, 0.5e308, bad), strict=True):
+        if weight is not None:
+            upload.metrics["my-weight"] = weight
+    strategy = FedAvg(SPEC, num_clients=3, weighted_by_key="my-weight", screen_factor=0)
+    fused = strategy.fuse_uploads(uploads).members[0].state_dict()
+    assert [e["client"] for e in strategy.exclusions] == ["2"]
+    assert "'my-weight' (weighted_by_key) must be a finite positive number, got " in (
+        strategy.exclusions[0]["reason"])
+    for name in fused:
+        expected = (2 * uploads[0].weights(0)[name] + uploads[1].weights(0)[name]) / 3
+        np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_fedavg_of_identical_clients_is_that_client():
     upload = make_upload(members=1)
     predictor = FedAvg(SPEC, num_clients=2).fuse([upload, upload])

@@ -280,6 +280,42 @@ def test_load_uploads_caps_the_total_of_all_clients(tmp_path):
     assert upload_store.MAX_REPLAY_BYTES == 2 * 1024**3
 
 
+def test_a_client_npz_of_many_entries_is_refused_before_its_directory_is_parsed(
+        tmp_path, monkeypatch):
+    """A zip directory of a million empty names took 10 s and 0.7 GB to parse; its size is
+    read from the end record and capped first, for that client alone."""
+    folder = _kron_folder(tmp_path / "uploads")
+    honest = max(len(zipfile.ZipFile(p).infolist()) for p in folder.glob("client_*.npz"))
+    with zipfile.ZipFile(folder / "client_1.npz", "a") as archive:
+        for i in range(50 * honest):
+            archive.writestr(f"m0/weights/pad{i}.npy", b"")
+    with open(folder / "client_1.npz", "rb") as handle:
+        directory = upload_store.zip_directory_bytes(handle)
+    monkeypatch.setattr(upload_store, "MAX_NPZ_DIRECTORY_BYTES", directory - 1)
+    _, uploads, failures = load_uploads(folder)
+    assert [u.client_id for u in uploads] == [0, 2]
+    assert failures == [("1", f"client_1.npz: its zip directory declares {directory} bytes, "
+                               f"above the cap {directory - 1} (MAX_NPZ_DIRECTORY_BYTES); not "
+                               "parsed")]
+
+
+def test_the_upload_writer_says_when_the_reader_would_refuse_its_manifest(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(upload_store, "MAX_MANIFEST_BYTES", 2000)
+    uploads = [kron_upload(c, weight=0.5, eigenvalue=1.0, seed=c) for c in range(3)]
+    uploads[2].metrics["curve"] = [0.5] * 300
+    with caplog.at_level("ERROR", logger="fedfusion"):
+        folder = save_uploads(tmp_path / "uploads", uploads, {})
+    size = (folder / "manifest.json").stat().st_size
+    assert size > 2000 and len(caplog.records) == 1
+    assert caplog.records[0].getMessage() == (
+        f"upload folder {folder}: its manifest is {size} bytes, above the 2000 that "
+        "load_uploads reads (MAX_MANIFEST_BYTES); the clients with the largest metrics: "
+        "[2, 0, 1]")
+    with pytest.raises(UploadStoreError, match="above the cap 2000"):
+        load_uploads(folder)
+
+
 def _claim_array(path: Path, elements: int) -> None:
     """Rewrite a client's npz as one float32 array whose .npy and zip headers both declare
     ``elements`` values, holding none of them (what a deflated run of zeros costs on disk)."""

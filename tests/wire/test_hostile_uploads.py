@@ -34,18 +34,20 @@ from helpers.uploads import (
 )
 
 from fedfusion.app import replay
-from fedfusion.core.predictors import Ensemble, save_predictor
+from fedfusion.core.predictors import Ensemble, ModelSpec, save_predictor
+from fedfusion.core.state import state_arrays
 from fedfusion.curvature import KronCurvature
 from fedfusion.models import build_model
 from fedfusion.sections import MAX_ABS_CURVATURE, MAX_ABS_WEIGHT, SECTIONS
 from fedfusion.server_app import run_server
-from fedfusion.strategies import FedBEns
+from fedfusion.strategies import FedAvg, FedBEns
 from fedfusion.strategies.fedbens.objective import mixture_log_posterior
 from fedfusion.strategies.predictors import load_predictor
 from fedfusion.upload_store import UploadStoreError, load_uploads, save_uploads
 from fedfusion.wire import (
     META_KEY,
     METRICS_KEY,
+    ClientUpload,
     UploadError,
     UploadLimits,
     decode_upload,
@@ -234,6 +236,55 @@ def test_finite_but_huge_weights_are_refused_naming_section_array_and_value():
         c, "classifier.0.weight", np.full((120, 256), 1e20, np.float32)))
     assert problem == ("member 0 section 'weights': array 'classifier.0.weight' has values up "
                        "to 1e+20 in magnitude, above the cap 1e+04 on section 'weights'")
+
+
+def test_a_negative_running_variance_excludes_that_client_alone():
+    """BatchNorm takes sqrt(running_var + eps): one client's negative variances made the
+    fused network NaN for every input; it is refused and the others are fused."""
+    spec = ModelSpec("bn_cnn", (1, 28, 28), 10)
+
+    def upload(client: int) -> ClientUpload:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(client)
+            weights = state_arrays(spec.build())
+        return ClientUpload(client, "bn_cnn", {}, 100, [{"weights": weights}],
+                            {"class-histogram": [100]})
+
+    uploads = [upload(c) for c in range(4)]
+    variances = [k for k in uploads[3].weights() if k.endswith("running_var")]
+    assert variances
+    for name in variances:
+        uploads[3].weights()[name][:] = -2.0
+    strategy = FedAvg(spec, num_clients=4)
+    predictor = strategy.fuse_uploads(uploads)
+    assert [e["client"] for e in strategy.exclusions] == ["3"]
+    assert strategy.exclusions[0]["reason"] == (
+        f"member 0 section 'weights': buffer {variances[0]!r} is a running variance but holds "
+        "negative values (min -2)")
+    with torch.no_grad():
+        assert torch.isfinite(predictor.eval()(torch.randn(8, 1, 28, 28))).all()
+
+
+@pytest.mark.parametrize(("metrics", "expected"), [
+    ({"load-time-s": [1.0, 2.0]}, "metric 'load-time-s' must be a finite number >= 0"),
+    ({"client-time-s": float("nan")}, "metric 'client-time-s' must be a finite number >= 0"),
+    ({"client-time-s": -3}, "metric 'client-time-s' must be a finite number >= 0"),
+    # 40 lists of 65,536 numbers: each within metric_length, together 2.6M numbers
+    ({f"extra-{k}": [1e-300] * 65536 for k in range(40)},
+     "its metrics are more than 1048576 numbers, above the cap of 1048576 characters"),
+    ({f"extra-{k}": [-1.2345678e-300] * 60000 for k in range(2)},
+     "its metrics are 2040083 characters of JSON, above the cap of 1048576 characters"),
+])
+def test_metrics_the_server_reads_or_keeps_are_bounded(metrics, expected):
+    """The seconds results.json turns into floats, and the size of what upload folders keep
+    (a manifest over load_uploads' cap would lose every client of the folder)."""
+    upload = make_upload(members=1)
+    upload.metrics.update(metrics)
+    with pytest.raises(UploadError, match=expected):
+        validate_upload(upload, CONTEXT.param_shapes)
+    content = encode_upload(upload)  # the live path: refused as it is decoded
+    with pytest.raises(UploadError, match=expected):
+        decode_upload(content, "node 7", CONTEXT.param_shapes)
 
 
 def test_finite_but_huge_curvature_is_refused():
