@@ -396,10 +396,12 @@ class Settings:
              "a fresh server-assigned id from 2**30, its claim kept as `claimed_client_id`); a "
              'path = a JSON file `{"<node id>": <client id>}` read by the server, enforced: each '
              "node is fused under its registered id whatever it claims, a node not in it is not "
-             "sent the round and is excluded ([library.md, Client "
+             "sent the round, is excluded and does not count towards the nodes a round waits "
+             "for ([library.md, Client "
              "identity](library.md#client-identity); constructor argument `client_registry`)"),
-        valid=('`""` or a readable JSON object of at most 16 MiB, node ids 0..2**64-1, client ids '
-               "0..2**31-1, no client id twice **[start]**"),
+        valid=('`""` or a readable JSON object of at most 16 MiB (a regular file), node ids '
+               "0..2**64-1, client ids 0..2**31-1, no client id twice, at least `num-clients` "
+               "nodes **[start]**"),
         path=True)
     min_valid_uploads: int = knob(
         1,

@@ -28,10 +28,17 @@ the median over its members s_{c,p} = median_m r_{c,m,p} (so uploading many memb
 say in the reference), and the entry's reference is R_p = median_c s_{c,p} over the clients
 whose entry p has the same shape. Client c is an outlier when, for some member m and entry p,
 
-    r_{c,m,p} > f * R_p  and  r_{c,m,p} > NORM_FLOOR * sqrt(size_p)   (f = ``screen_factor``)
+    r_{c,m,p} > f * R_p  and  r_{c,m,p} > max(NORM_FLOOR, f * rho) * sqrt(size_p)
+                                                                     (f = ``screen_factor``)
 
-(the floor, an RMS of 1e-6, keeps entries the other clients hold at zero from dividing by
-zero without letting a large value there through). The median is the honest clients' as long
+with rho the network's typical entry RMS (median over clients, members and entries of
+r_{c,m,p} / sqrt(size_p)). The floor's first part (an RMS of 1e-6) keeps entries the other
+clients hold at zero from dividing by zero; its second keeps entries that START at zero
+(biases, BatchNorm shifts, zero-initialised residual branches) from screening out an honest
+client that simply took more steps: their norm grows with the steps, so a client with 6x the
+rows reached 11.6x the median bias norm, yet an RMS far below the network's typical one,
+while an entry blown up to dominate an average stands out against both. The median is the
+honest clients' as long
 as fewer than half of the clients are outliers; with fewer than :data:`MIN_SCREEN_CLIENTS`
 clients sharing an entry there is no majority to compare with, so nothing is excluded and
 the report says so. Small norms are not screened: a zero or tiny entry pulls an average
@@ -51,7 +58,10 @@ count capped among the clients kept by the weight and validation screens (so a c
 1e9 examples cannot dilute a trace at the cap). The trace bounds the largest eigenvalue,
 so a client that concentrates its precision in one direction is caught like one that
 spreads it. The same rule as the weights then applies with f = ``curvature_screen_factor``
-(floor NORM_FLOOR per diagonal entry). Excluding, not clipping: a client whose precision is
+(floor NORM_FLOOR per diagonal entry; values at or below it carry no scale and count
+neither in the median nor as holding the layer: on data of one class a client's curvature
+vanishes, about 1e-12 per example, and a median of such clients made the one client that
+saw every class 4e11x "the median"). Excluding, not clipping: a client whose precision is
 out of line by the factor has sent numbers its data cannot explain, and clipping would
 still fuse its weights at up to f times the median client's share; the bound this leaves
 is f * k times a median client's precision (k = ``num_examples_cap``) for a client just
@@ -143,29 +153,41 @@ def cap_num_examples(uploads: Sequence[ClientUpload], factor: float
     client. Returns the uploads (a copy with the capped count where capped, else the upload
     itself) and one record per capped client: ``client_id``, ``node_id``, ``claimed``,
     ``capped_to``, ``median_of_others``, ``factor``."""
-    FINITE_NON_NEGATIVE.check("the num_examples cap factor", factor)
-    if not factor or len(uploads) < 2:
-        return list(uploads), []
     claims = [int(u.num_examples) for u in uploads]
+    counts, medians = capped_counts(claims, factor)
     out: list[ClientUpload] = []
     records: list[dict[str, Any]] = []
     for i, upload in enumerate(uploads):
-        median = float(np.median(claims[:i] + claims[i + 1:]))
-        if claims[i] <= factor * median:  # compared as floats: factor may be huge
+        if i not in medians:
             out.append(upload)
             continue
-        cap = max(1, math.floor(factor * median))
-        out.append(dataclasses.replace(upload, num_examples=cap))
+        out.append(dataclasses.replace(upload, num_examples=counts[i]))
         records.append({"client_id": upload.client_id, "node_id": upload.node_id,
-                        "claimed": claims[i], "capped_to": cap, "median_of_others": median,
-                        "factor": factor})
+                        "claimed": claims[i], "capped_to": counts[i],
+                        "median_of_others": medians[i], "factor": factor})
     return out, records
+
+
+def capped_counts(claims: Sequence[int], factor: float) -> tuple[list[int], dict[int, float]]:
+    """n'_c = min(n_c, max(1, floor(k m_{-c}))) for every claim (k = ``factor``; 0 or a lone
+    claim: no cap), and the median of the others m_{-c} of each capped index c."""
+    FINITE_NON_NEGATIVE.check("the num_examples cap factor", factor)
+    counts, medians = list(claims), {}
+    if not factor or len(claims) < 2:
+        return counts, medians
+    for i, claim in enumerate(claims):
+        median = float(np.median(list(claims[:i]) + list(claims[i + 1:])))
+        if claim > factor * median:  # compared as floats: factor may be huge
+            counts[i], medians[i] = max(1, math.floor(factor * median)), median
+    return counts, medians
 
 
 def capped_reason(record: dict[str, Any]) -> str:
     """One line for a capped claim (the log, the summary)."""
     node = f" (node {record['node_id']})" if record.get("node_id") is not None else ""
-    return (f"client {record['client_id']}{node} claims {record['claimed']} examples, "
+    who = (f"client {record['client_id']}{node}" if record.get("client_id") is not None
+           else f"node {record['node_id']}")
+    return (f"{who} claims {record['claimed']} examples, "
             f"{record['claimed'] / max(record['median_of_others'], 1e-300):.3g}x the other "
             f"clients' median {record['median_of_others']:g}: weighted as "
             f"{record['capped_to']} (num_examples_cap {record['factor']:g})")
@@ -186,16 +208,25 @@ Hit = tuple[float, int, EntryKey, float, float]
 
 
 def entry_outliers(values: Sequence[Sequence[Mapping[EntryKey, float]]], factor: float,
-                   floors: Mapping[EntryKey, float]) -> tuple[dict[int, list[Hit]], int]:
+                   floors: Mapping[EntryKey, float],
+                   negligible: Mapping[EntryKey, float] | None = None
+                   ) -> tuple[dict[int, list[Hit]], int]:
     """The robust rule of every per-entry screen (module docstring), on values
     ``values[c][m][e]`` = v_{c,m,e} >= 0 of client c, member m, entry e: the reference of
     entry e is R_e = median_c median_m v_{c,m,e} over the clients holding e, and (c, m, e) is
-    a hit when v_{c,m,e} > factor * R_e and v_{c,m,e} > ``floors[e]``. Entries held by fewer
-    than :data:`MIN_SCREEN_CLIENTS` clients are not screened. Returns the hits per client
-    index, worst (largest ratio) first, and how many entries were not screened."""
+    a hit when v_{c,m,e} > factor * R_e and v_{c,m,e} > ``floors[e]``. With ``negligible``,
+    values at or below ``negligible[e]`` carry no scale: they count neither in R_e nor as
+    holding e (a client whose curvature vanished on data of one class would otherwise make
+    every client that learnt something look like an outlier). Entries held by fewer than
+    :data:`MIN_SCREEN_CLIENTS` clients are not screened. Returns the hits per client index,
+    worst (largest ratio) first, and how many entries were not screened."""
+    def counts(key: EntryKey, value: float) -> bool:
+        return negligible is None or value > negligible[key]
+
     holders: dict[EntryKey, list[int]] = {}
     for c, members in enumerate(values):
-        for key in dict.fromkeys(k for member in members for k in member):
+        for key in dict.fromkeys(k for member in members for k, v in member.items()
+                                 if counts(k, v)):
             holders.setdefault(key, []).append(c)
     hits: dict[int, list[Hit]] = {}
     unscreened = 0
@@ -203,7 +234,8 @@ def entry_outliers(values: Sequence[Sequence[Mapping[EntryKey, float]]], factor:
         if len(clients) < MIN_SCREEN_CLIENTS:
             unscreened += 1
             continue
-        reference = float(np.median([np.median([m[key] for m in values[c] if key in m])
+        reference = float(np.median([np.median([m[key] for m in values[c]
+                                                if key in m and counts(key, m[key])])
                                      for c in clients]))
         for c in clients:
             for m, member in enumerate(values[c]):
@@ -248,7 +280,11 @@ def screen_weight_norms(uploads: Sequence[ClientUpload], factor: float
     values = [[{(name, member[WEIGHTS][name].shape): norm for name, norm in norms.items()}
                for member, norms in zip(u.members, weight_norms(u), strict=True)]
               for u in uploads]
-    floors = {key: NORM_FLOOR * math.sqrt(math.prod(key[1]))
+    rms = float(np.median([np.median([np.median([norm / math.sqrt(max(math.prod(key[1]), 1))
+                                                 for key, norm in member.items()] or [0.0])
+                                      for member in members]) for members in values]))
+    floor = max(NORM_FLOOR, factor * rms)
+    floors = {key: floor * math.sqrt(math.prod(key[1]))
               for members in values for member in members for key in member}
     hits, unscreened = entry_outliers(values, factor, floors)
     notes = [f"{unscreened} weight entr{'y' if unscreened == 1 else 'ies'} held by fewer than "
@@ -335,9 +371,10 @@ def screen_curvature(uploads: Sequence[ClientUpload], factor: float, sections: S
                     floors[(section, name)] = NORM_FLOOR * side
             members.append(row)
         values.append(members)
-    hits, unscreened = entry_outliers(values, factor, floors)
+    hits, unscreened = entry_outliers(values, factor, floors, negligible=floors)
     notes = [f"{unscreened} curvature/Gram layer(s) held by fewer than {MIN_SCREEN_CLIENTS} "
-             "clients were not screened"] if unscreened else []
+             f"clients above the floor ({NORM_FLOOR:g} per diagonal entry) were not screened"
+             ] if unscreened else []
     excluded = []
     for c, upload in enumerate(uploads):
         if c in hits:

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfusion.datasets.partition import PartitionError
+from fedfusion.files import read_capped, regular_file_size
 from fedfusion.wire.npy import (
     NPZ_READ_ERRORS,
     ZIP_COMPRESSIONS,
@@ -100,9 +101,11 @@ def read_partition_file(path: str | Path, num_rows: int, num_clients: int, key: 
     path = Path(path).expanduser()
     where = f"partition file {str(path)!r}" + (f" (key {key!r})" if key else "")
     try:
-        size = path.stat().st_size
+        size = regular_file_size(path)
     except OSError as exc:
         raise PartitionError(f"{where} cannot be read: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # a FIFO would block the run, /dev/zero never end
+        raise PartitionError(f"{where} {exc}") from exc
     if size > MAX_PARTITION_FILE_BYTES:
         raise PartitionError(f"{where} is {size} bytes, over the {MAX_PARTITION_FILE_BYTES} "
                              "byte limit")
@@ -259,7 +262,10 @@ def _read_json(path: Path, key: str, where: str) -> tuple[list[object], object |
     if size > MAX_PARTITION_JSON_BYTES:
         raise PartitionError(f"{where} is {size} bytes, over the {MAX_PARTITION_JSON_BYTES} "
                              "byte limit of a .json partition (write larger ones as .npz)")
-    raw = path.read_bytes()
+    try:
+        raw = read_capped(path, MAX_PARTITION_JSON_BYTES)
+    except ValueError as exc:  # grew after the size check
+        raise PartitionError(f"{where} {exc}") from exc
     text = raw.decode(json.detect_encoding(raw))
     depth = json_depth(text)
     if depth > MAX_PARTITION_JSON_DEPTH:

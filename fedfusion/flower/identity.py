@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedfusion.files import read_capped, regular_file_size
+
 #: server-assigned client ids count up from here: far above the ids honest clients claim
 #: (partition indices), inside the 0..2**31-1 range every upload's client id must lie in
 SERVER_ID_BASE = 2**30
@@ -99,17 +101,16 @@ def read_client_registry(path: str | os.PathLike[str]) -> dict[int, int]:
     problem (missing, too large, not JSON, hostile nesting, a bad entry)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        size = regular_file_size(path)
         if size > MAX_REGISTRY_BYTES:
             raise RegistryError(f"client registry {path} is {size} bytes, above the cap "
                                 f"{MAX_REGISTRY_BYTES}")
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_REGISTRY_BYTES + 1)
+        data = read_capped(path, MAX_REGISTRY_BYTES)
     except OSError as exc:
         raise RegistryError(f"client registry {path} cannot be read: {exc.strerror or exc}"
                             ) from exc
-    if len(data) > MAX_REGISTRY_BYTES:  # grew after the stat
-        raise RegistryError(f"client registry {path} is above the cap {MAX_REGISTRY_BYTES}")
+    except ValueError as exc:  # not a regular file, or grew after the stat
+        raise RegistryError(f"client registry {path} {exc}") from exc
     try:
         registry = json.loads(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: hostile nesting

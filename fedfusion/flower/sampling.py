@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from flwr.serverapp import Grid
+
+from fedfusion.reasons import name_list
 
 log = logging.getLogger("fedfusion")
 
@@ -31,13 +33,18 @@ LOG_INTERVAL_S = 10.0
 class NodeWaitTimeout(TimeoutError):
     """Fewer nodes than a round needs connected within the wait timeout."""
 
-    def __init__(self, connected: int, required: int, timeout: float, where: str = ""):
+    def __init__(self, connected: int, required: int, timeout: float, where: str = "",
+                 outside: Sequence[int] = ()):
         self.connected, self.required, self.timeout = connected, required, timeout
+        #: nodes that were connected but not admitted (outside the client registry)
+        self.outside = list(outside)
         super().__init__(
             (f"{where}: " if where else "")
             + f"{connected} node(s) connected of the {required} required within {timeout:g} s "
             "(num_clients / min_available_nodes / min_train_nodes); start more SuperNodes, "
-            "ask for fewer clients or raise node_wait_timeout")
+            "ask for fewer clients or raise node_wait_timeout" + (
+                f"; {len(outside)} more connected but not in the client registry: "
+                f"{name_list([str(n) for n in outside])}" if outside else ""))
 
 
 def wait_for_nodes(
@@ -49,8 +56,11 @@ def wait_for_nodes(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     where: str = "",
+    admits: Callable[[int], bool] | None = None,
 ) -> list[int]:
-    """The connected node ids, sorted, once at least ``required`` are connected.
+    """The connected node ids, sorted, once at least ``required`` are connected (of those
+    ``admits`` accepts, where given: an operator registry's nodes; the others are returned
+    too, for the caller to exclude, but never counted).
 
     Polls ``grid.get_node_ids()`` every ``poll_interval`` seconds; raises
     :class:`NodeWaitTimeout` when ``timeout`` seconds pass first (``math.inf`` waits
@@ -65,15 +75,18 @@ def wait_for_nodes(
     logged_at = -math.inf
     while True:
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= required:
+        counted = len(nodes) if admits is None else sum(map(admits, nodes))
+        if counted >= required:
             return nodes
         now = clock()
         waited = now - start
         if waited >= timeout:
-            raise NodeWaitTimeout(len(nodes), required, timeout, where)
+            raise NodeWaitTimeout(counted, required, timeout, where, [
+                n for n in nodes if admits is not None and not admits(n)])
         if now - logged_at >= LOG_INTERVAL_S:
-            log.info("Waiting for nodes to connect: %d connected (minimum required: %d), "
-                     "%.0f s of %g s", len(nodes), required, waited, timeout)
+            log.info("Waiting for nodes to connect: %d connected%s (minimum required: %d), "
+                     "%.0f s of %g s", counted, "" if admits is None else " of the registry's",
+                     required, waited, timeout)
             logged_at = now
         sleep(min(poll_interval, max(timeout - waited, 0.0)))
 

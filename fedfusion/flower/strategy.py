@@ -169,6 +169,11 @@ class FusionStrategy(Fusion, Strategy):
         #: the server-side registry node id -> client id (:mod:`fedfusion.strategies.
         #: identity`): kept across rounds; the operator's ``client_registry`` when given
         self.identities = NodeIdentities(client_registry)
+        required = max(min_available_nodes, min_train_nodes)
+        if client_registry is not None and len(client_registry) < required:
+            raise ValueError(f"the client registry names {len(client_registry)} node(s), fewer "
+                             f"than the {required} a round waits for (num_clients / "
+                             "min_available_nodes / min_train_nodes): no round could start")
 
 
     @property
@@ -227,7 +232,8 @@ class FusionStrategy(Fusion, Strategy):
         round (:mod:`fedfusion.flower.sampling`)."""
         required = max(self.min_available_nodes, self.min_train_nodes)
         available = wait_for_nodes(grid, required, self.node_wait_timeout,
-                                   where=f"[{self.name}] round {server_round}")
+                                   where=f"[{self.name}] round {server_round}",
+                                   admits=self.identities.admits)
         # an operator registry names the fleet: a node outside it is neither sampled nor
         # sent the model
         for node in sorted(n for n in available if not self.identities.admits(n)):

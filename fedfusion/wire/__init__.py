@@ -55,10 +55,10 @@ The modules, each importing only those listed before it:
 * :mod:`fedfusion.wire.npy`: ``.npy`` headers checked before any data is read;
 * :mod:`fedfusion.wire.validation`: :class:`UploadError`, :func:`validate_upload` and the
   checks it shares with decoding;
-* :mod:`fedfusion.wire.decode`: :func:`decode_upload`.
+* :mod:`fedfusion.wire.decode`: :func:`decode_upload`, :func:`decode_array`.
 """
 
-from fedfusion.wire.decode import decode_upload
+from fedfusion.wire.decode import decode_array, decode_upload
 from fedfusion.wire.format import (
     MAX_MEMBERS,
     META_KEY,
@@ -94,6 +94,7 @@ __all__ = [
     "ParamShapes",
     "UploadError",
     "UploadLimits",
+    "decode_array",
     "decode_models",
     "decode_upload",
     "encode_models",

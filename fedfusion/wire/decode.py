@@ -181,6 +181,20 @@ def _parse_model_kwargs(text: str, client: str | int, limits: UploadLimits) -> d
 
 
 
+def decode_array(name: str, array: object, shape: tuple[int, ...],
+                 limits: UploadLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """One float array a client sent outside an upload (e.g. FENS' aggregator), checked as an
+    upload's arrays are before any byte is decoded: a flwr numpy ``Array`` of a float dtype
+    declaring exactly ``shape``, whose ``.npy`` header agrees with its declared fields.
+    Raises ValueError naming ``name``."""
+    dtype, declared = _declared(name, array, limits)
+    if dtype.kind != "f" or declared != tuple(shape):
+        raise ValueError(f"array {name!r} is {dtype} {declared}, expected a float array of "
+                         f"shape {tuple(shape)}")
+    assert isinstance(array, Array)
+    return from_buffer(array.data, wire_layout(name, array, dtype, declared))
+
+
 def _declared(name: object, array: object, limits: UploadLimits
               ) -> tuple[np.dtype, tuple[int, ...]]:
     """Dtype and shape of a wire array from its declared fields only (nothing decoded)."""

@@ -197,13 +197,15 @@ def device_files(tmp_path_factory) -> dict[int, Path]:
     return files
 
 
-def _fleet_run(devices: list[int], files: dict[int, Path], out: Path, name: str) -> dict:
+def _fleet_run(devices: list[int], files: dict[int, Path], out: Path, name: str,
+               **settings_: object) -> dict:
     """One run of the App over the devices present, each with its own client-id and file."""
     from fedfusion.server_app import run_server
 
-    settings = Settings(strategy="fedavg", client_data="local", num_clients=len(devices),
-                        local_epochs=5, val_size=200, output_dir=str(out), run_name=name,
-                        node_wait_timeout=30)
+    settings = Settings(**{"strategy": "fedavg", "client_data": "local",
+                           "num_clients": len(devices), "local_epochs": 5, "val_size": 200,
+                           "output_dir": str(out), "run_name": name, "node_wait_timeout": 30,
+                           **settings_})
     grid = InProcessGrid(settings, node_configs={
         index: {"client-id": device, "data-path": str(files[device])}
         for index, device in enumerate(devices)})
@@ -251,6 +253,16 @@ def test_devices_join_and_leave_with_their_own_data(device_files, tmp_path):
             assert all(np.array_equal(a[k], b[k]) for k in a), (before, after, device)
     # and the fused model changed with the fleet
     assert results["three"]["test"] != results["four-joins"]["test"]
+
+
+def test_fens_trains_its_aggregator_on_the_devices_own_rows(device_files, tmp_path):
+    """The aggregator rounds carry the data description too: every device answers each one
+    (it used to refuse them all, and FENS kept its untrained aggregator)."""
+    result = _fleet_run([0, 1, 2], device_files, tmp_path, "fens", strategy="fens",
+                        local_epochs=1, fens_rounds=2, fens_patience=0)
+    assert result["status"] == "ok" and result["excluded"] == [], result["excluded"]
+    trace = result["strategy_report"]["trace"]
+    assert [(t["round"], t["clients"]) for t in trace[1:]] == [(1, 3), (2, 3)]
 
 
 def test_a_device_with_a_bad_file_is_excluded_naming_its_file(device_files, tmp_path):

@@ -22,10 +22,12 @@ from conftest import InProcessGrid, SmallCNN, label_skewed_fmnist, sgd
 from flwr.app import Array, Message, MetricRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sklearn.datasets import load_digits
 from torch import nn
 
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
+from fedfusion.core.architecture import ModelSpec
 from fedfusion.core.screening import (
     CHANCE_MARGIN_MIN,
     NORM_FLOOR,
@@ -36,7 +38,13 @@ from fedfusion.core.screening import (
 )
 from fedfusion.sections import MAX_ABS_WEIGHT
 from fedfusion.server_app import run_server
-from fedfusion.strategies import AdaptiveModelSelection, FedAvg, Fusion, FusionStrategy
+from fedfusion.strategies import (
+    AdaptiveModelSelection,
+    FedAvg,
+    FedBEns,
+    Fusion,
+    FusionStrategy,
+)
 from fedfusion.wire import ClientUpload
 from fedfusion.wire.format import METRICS_KEY, member_key
 
@@ -210,6 +218,59 @@ def test_honest_heterogeneous_clients_are_not_screened_out(fmnist):
     assert strategy.capped_claims == [], sizes
 
 
+def _digits_clients(spec: ModelSpec, parts: list[slice | torch.Tensor], epochs: int,
+                    sections: tuple[str, ...] = ("weights",)
+                    ) -> tuple[list[ClientUpload], tuple[torch.Tensor, torch.Tensor]]:
+    """Clients of scikit-learn's digits (8x8 images) trained by SGD from one init, each on
+    its own rows; the last 200 rows are the validation rows."""
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
+    y = torch.tensor(digits.target)
+    uploads = []
+    for c, rows in enumerate(parts):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = spec.build()
+        sgd(model, x[rows], y[rows], epochs=epochs, seed=c, batch_size=32)
+        uploads.append(client.make_upload([model.eval()], x[rows], y[rows], list(sections),
+                                          client_id=c, model_name=spec.name,
+                                          model_kwargs=spec.kwargs))
+    return uploads, (x[-200:], y[-200:])
+
+
+def test_honest_quantity_skew_with_zero_initialised_entries_is_not_screened_out():
+    """BatchNorm shifts start at zero, so their norm grows with the steps: with 100 / 100 /
+    1,000 rows the largest client's is over 10x the median, which the ratio alone would
+    exclude (the review's case: 11.6x, FedAvg 0.357 instead of 0.835). Its RMS stays far
+    below the network's typical one: nobody is excluded, and the fusion is the unscreened
+    one."""
+    spec = ModelSpec("bn_cnn", (1, 8, 8), 10, {"width": 8})
+    rows = torch.randperm(1500, generator=torch.Generator().manual_seed(0))
+    uploads, val = _digits_clients(spec, [rows[:100], rows[100:200], rows[200:1200]], 2)
+    assert max(reference_screen(uploads, math.inf)[1].values()) > 10  # the ratio alone
+    screened, unscreened = FedAvg(spec, val=val), FedAvg(spec, val=val, screen_factor=0)
+    fused_screened = screened.fuse_uploads(uploads).members[0].state_dict()
+    fused_unscreened = unscreened.fuse_uploads(uploads).members[0].state_dict()
+    assert screened.exclusions == []
+    assert all(torch.equal(fused_screened[k], fused_unscreened[k]) for k in fused_screened)
+
+
+def test_a_client_that_saw_every_class_is_no_curvature_outlier_among_one_class_clients():
+    """Clients of one class grow confident: their curvature vanishes (~1e-12 per example)
+    and carries no scale. The client that saw all ten classes was 4e11x "the median" and
+    excluded (FedBEns 0.20, at chance, instead of 0.68); now the layer is not screened."""
+    digits_y = torch.tensor(load_digits().target[:-200])
+    spec = ModelSpec("mlp", (1, 8, 8), 10, {"hidden_layers": 1, "hidden": 32, "bias": True})
+    parts = [torch.nonzero(digits_y == 0).ravel()[:100],
+             torch.nonzero(digits_y == 1).ravel()[:100], torch.arange(1000, 1300)]
+    uploads, val = _digits_clients(spec, parts, 3, ("weights", "curvature.kron"))
+    strategy = FedBEns(spec, val=val, steps=30, eval_every=10)
+    strategy.fuse_uploads(uploads)
+    assert strategy.exclusions == []
+    assert any("held by fewer than 3 clients above the floor" in n["note"]
+               for n in strategy.screen_notes)
+
+
 # ------------------------------------------------------------------ (d) the math
 def reference_screen(uploads: list[ClientUpload], factor: float
                      ) -> tuple[set[int], dict[int, float]]:
@@ -218,6 +279,10 @@ def reference_screen(uploads: list[ClientUpload], factor: float
     def norm(array: np.ndarray) -> float:
         return math.sqrt(sum(float(v) ** 2 for v in array.astype(np.float64).ravel()))
 
+    # the floor's second part: factor x the network's typical entry RMS
+    rms = statistics.median([statistics.median([statistics.median([
+        norm(a) / math.sqrt(a.size) for a in member["weights"].values()])
+        for member in u.members]) for u in uploads])
     outliers, ratios = set(), {}
     for name, array in uploads[0].weights(0).items():
         shape = array.shape
@@ -233,7 +298,8 @@ def reference_screen(uploads: list[ClientUpload], factor: float
                 r = norm(member["weights"][name])
                 ratio = r / reference if reference > 0 else math.inf
                 ratios[upload.client_id] = max(ratios.get(upload.client_id, 0.0), ratio)
-                if r > factor * reference and r > NORM_FLOOR * math.sqrt(array.size):
+                if r > factor * reference and r > max(NORM_FLOOR, factor * rms) * math.sqrt(
+                        array.size):
                     outliers.add(upload.client_id)
     return outliers, ratios
 
@@ -267,10 +333,13 @@ def test_the_norm_screen_on_a_tiny_example_by_hand():
         f"{norm_a[3] / median_a:.3g}x the clients' median {median_a:.3g} (screen_factor 10)")
     assert excluded[1][1].startswith("client 4: weights screened out as an outlier: member 1 "
                                      "layer b: norm ")
-    # a layer the others hold at zero: any value above the floor there is an outlier
+    # a layer the others hold at zero: a value there is an outlier once its RMS is above
+    # factor x the network's typical RMS (here 0.5: "a" ~1, "b" 0), not before
     zeros = [tiny_upload(c, [[1.0, 0.0]], seed=c) for c in range(3)]
-    _, excluded, _ = screen_weight_norms([*zeros, tiny_upload(3, [[1.0, 1e-3]], seed=3)], 10)
+    _, excluded, _ = screen_weight_norms([*zeros, tiny_upload(3, [[1.0, 100.0]], seed=3)], 10)
     assert "layer b: norm" in excluded[0][1] and "inf" in excluded[0][1]
+    _, excluded, _ = screen_weight_norms([*zeros, tiny_upload(3, [[1.0, 1e-3]], seed=3)], 10)
+    assert excluded == []
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

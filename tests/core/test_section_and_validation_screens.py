@@ -271,11 +271,21 @@ def test_the_curvature_screen_on_a_tiny_example_by_hand():
     assert screen_curvature(uploads[:2], 10.0, ["gram"])[2] == [
         "2 client(s): the curvature screen needs at least 3 to tell an outlier from the "
         "rest; nothing screened"]
-    # a layer the others hold at zero: a trace per example above NORM_FLOOR * side is out
-    zeros = [ClientUpload(c, "Tiny", {}, 10, [{"gram": {"w": np.zeros((3, 3))}}])
-             for c in range(3)]
-    hot = ClientUpload(3, "Tiny", {}, 10, [{"gram": {"w": np.eye(3) * NORM_FLOOR * 40}}])
-    assert [u.client_id for u, _ in screen_curvature([*zeros, hot], 10, ["gram"])[1]] == [3]
+    # a layer the others hold at zero (up to NORM_FLOOR * side) carries no scale to compare
+    # with: on data of one class a client's curvature vanishes, and the client that saw
+    # every class is no outlier; not screened, and the notes say so
+    zeros = [ClientUpload(c, "Tiny", {}, 10, [{"gram": {"w": np.eye(3) * NORM_FLOOR * z}}])
+             for c, z in enumerate([0.0, 1.0, 2.0])]
+    hot = ClientUpload(3, "Tiny", {}, 10, [{"gram": {"w": np.eye(3) * 1e9}}])
+    _, excluded, notes = screen_curvature([*zeros, hot], 10, ["gram"])
+    assert excluded == [] and notes == [
+        "1 curvature/Gram layer(s) held by fewer than 3 clients above the floor (1e-06 per "
+        "diagonal entry) were not screened"]
+    # one more client above the floor makes a median again: 1e9 against it is out
+    lukewarm = [ClientUpload(c, "Tiny", {}, 10, [{"gram": {"w": np.eye(3) * 10}}])
+                for c in (4, 5)]
+    _, excluded, _ = screen_curvature([*zeros, hot, *lukewarm], 10, ["gram"])
+    assert [u.client_id for u, _ in excluded] == [3]
 
 
 # ------------------------------------------------------------------ item 2: validation

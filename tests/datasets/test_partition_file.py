@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -97,6 +98,12 @@ def test_npz_defects_are_named(tmp_path):
         read_partition_file(tmp_path / "x.npz", 10, 1)
     with pytest.raises(PartitionError, match="cannot be read"):
         read_partition_file(tmp_path / "missing.npz", 10, 1)
+    os.mkfifo(tmp_path / "fifo.json")  # reading it would wait for a writer forever
+    with pytest.raises(PartitionError, match="fifo.json' is a FIFO, not a regular file"):
+        read_partition_file(tmp_path / "fifo.json", 10, 1)
+    (tmp_path / "zero.npz").symlink_to("/dev/zero")  # would never end
+    with pytest.raises(PartitionError, match="zero.npz' is a character device, not a regular"):
+        read_partition_file(tmp_path / "zero.npz", 10, 1)
     (tmp_path / "p.csv").write_text("0,1")
     with pytest.raises(PartitionError, match="unknown format '.csv'"):
         read_partition_file(tmp_path / "p.csv", 10, 1)

@@ -10,6 +10,7 @@ chosen: an attacker with a LOWER node id than the honest owner, the case that us
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import numpy as np
@@ -30,6 +31,7 @@ from fedfusion.flower.identity import (
     RegistryError,
     read_client_registry,
 )
+from fedfusion.flower.sampling import NodeWaitTimeout
 from fedfusion.strategies import FedAvg
 from fedfusion.upload_store import load_uploads, save_uploads
 from fedfusion.wire import encode_models
@@ -134,12 +136,30 @@ def test_the_operator_registry_is_enforced(tmp_path):
                                     "round"}]
 
 
+def test_only_registered_nodes_count_towards_the_nodes_a_round_waits_for():
+    """A stranger connected beside two of three registered nodes made the round go with two,
+    below min_train_nodes; now the round waits for the third, and then leaves the stranger
+    out, named."""
+    registry = {500: 3, 600: 4, 700: 5}
+    strategy = FedAvg(TinyNet, min_train_nodes=3, min_available_nodes=3,
+                      client_registry=registry, node_wait_timeout=0.05)
+    with pytest.raises(NodeWaitTimeout, match="2 node.s. connected of the 3 required"):
+        strategy.configure_train(1, encode_models(strategy.initial_models()), ConfigRecord(),
+                                 NodesGrid([500, 600, 999]))  # type: ignore[arg-type]
+    messages = strategy.configure_train(1, encode_models(strategy.initial_models()),
+                                        ConfigRecord(), NodesGrid([500, 600, 700, 999]))  # type: ignore[arg-type]
+    assert [m.metadata.dst_node_id for m in messages] == [500, 600, 700]
+    assert [e["node_id"] for e in strategy.exclusions] == [999]
+
+
 def test_a_round_of_unregistered_nodes_fails_naming_them():
     strategy = FedAvg(TinyNet, min_train_nodes=2, min_available_nodes=2,
-                      client_registry={500: 0})
-    with pytest.raises(RuntimeError, match=r"(?s)0 valid upload\(s\).*node 7: node 7 is not in the "
-                       r"client registry.*node 8: node 8 is not"):
+                      client_registry={500: 0, 600: 1}, node_wait_timeout=0.05)
+    with pytest.raises(NodeWaitTimeout, match=r"0 node\(s\) connected of the 2 required .*; 2 "
+                       r"more connected but not in the client registry: \['7', '8'\]"):
         play_round(strategy, {7: 0, 8: 1})
+    with pytest.raises(ValueError, match="the client registry names 1 node.s., fewer than the 2"):
+        FedAvg(TinyNet, min_train_nodes=2, min_available_nodes=2, client_registry={500: 0})
 
 
 def test_an_unregistered_node_that_replies_anyway_is_excluded():
@@ -258,13 +278,17 @@ def test_a_missing_or_huge_registry_file_is_refused(tmp_path):
         read_client_registry(huge)
     with pytest.raises(RegistryError, match="cannot be read"):
         FedAvg(TinyNet, client_registry=str(tmp_path / "absent.json"))
+    os.mkfifo(tmp_path / "fifo.json")  # opening it would wait for a writer forever
+    with pytest.raises(RegistryError, match="fifo.json is a FIFO, not a regular file"):
+        read_client_registry(tmp_path / "fifo.json")
 
 
 def test_the_run_config_key_reaches_the_strategy(tmp_path):
     path = tmp_path / "fleet.json"
     path.write_text('{"11": 0, "22": 1}')
     spec = ModelSpec.from_model_fn(TinyNet)
-    strategy = build_strategy(Settings(strategy="fedavg", client_registry=str(path)), spec)
+    strategy = build_strategy(Settings(strategy="fedavg", num_clients=2,
+                                       client_registry=str(path)), spec)
     assert strategy.identities.fixed == {11: 0, 22: 1}
     assert build_strategy(Settings(strategy="fedavg"), spec).identities.fixed is None
     # a replay decides no identities (its uploads carry them): a registry gone since is moot

@@ -4,14 +4,16 @@ through the Message API, hostile aggregator replies, and real data against the l
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
 import pytest
 import torch
 from conftest import TinyNet, sgd
-from flwr.app import Array, ArrayRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.constant import SType
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
@@ -229,8 +231,24 @@ def test_saved_predictor_round_trips_and_a_bad_head_is_refused(tmp_path):
         load_predictor(tmp_path / "bad.pt", model_fn=TinyNet)
 
 
+def _huge_header_array(shape: tuple[int, ...]) -> Array:
+    """An Array declaring ``shape`` whose ``.npy`` header claims 2**42 floats, holding 16
+    bytes (decoding it as numpy does would ask for 16 TiB)."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": (2**42,)})
+    return Array(dtype="float32", shape=shape, stype=SType.NUMPY,
+                 data=buffer.getvalue() + bytes(16))
+
+
 @pytest.mark.parametrize("attack, reason", [
-    ("nan", "holds NaN or Inf"), ("shape", "has shape"), ("rows", "num-examples must be")])
+    ("nan", "holds NaN or Inf"), ("rows", "num-examples must be"),
+    ("shape", "array 'weights' is float32 (2, 2), expected a float array of shape (3, 3)"),
+    ("huge", "has values up to 1e+20 in magnitude, above the cap 1e+04 on weights"),
+    ("config", "malformed aggregator reply: record 'aggregator' is a ConfigRecord, not an"),
+    ("header", "malformed aggregator reply: array 'weights': its .npy header says <f4 "
+               "(4398046511104,)"),
+])
 def test_a_hostile_aggregator_reply_is_excluded_and_the_rounds_go_on(attack, reason):
     data = tiny_federation()
     app = fens_client_app(data)
@@ -246,7 +264,13 @@ def test_a_hostile_aggregator_reply_is_excluded_and_the_rounds_go_on(attack, rea
             state["weights"] = np.zeros((2, 2), np.float32)
         elif attack == "rows":
             reply.content["metrics"]["num-examples"] = -5
+        elif attack == "huge":  # FedAdam squares the update: inf for every later round
+            state["weights"][:] = 1e20
         reply.content["aggregator"] = ArrayRecord({k: Array(v) for k, v in state.items()})
+        if attack == "config":
+            reply.content["aggregator"] = ConfigRecord({k: 1.0 for k in state})
+        elif attack == "header":
+            reply.content["aggregator"]["weights"] = _huge_header_array(state["weights"].shape)
         return reply
 
     grid = LocalGrid(app, 3, tamper=tamper)
@@ -260,6 +284,51 @@ def test_a_hostile_aggregator_reply_is_excluded_and_the_rounds_go_on(attack, rea
     assert [t["clients"] for t in strategy.trace[1:]] == [2, 2, 2]
     assert all(math.isfinite(float(v.abs().max()))
                for v in strategy.aggregator.state_dict().values())
+
+
+def test_aggregator_rounds_carry_round_ones_train_config_and_keep_to_the_registry():
+    """What start() was given for round 1 (the data description of client-data='local')
+    reaches every aggregator round too; a node outside the client registry is sent neither
+    the uploaded models nor a round, also when a replay names every connected node."""
+    data = tiny_federation()
+    grid, seen = LocalGrid(fens_client_app(data), 4), []
+    original = grid.send_and_receive
+
+    def send_and_receive(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        messages = list(messages)
+        seen.extend((m.metadata.dst_node_id, m.content["config"].get("data.note"))
+                    for m in messages if "aggregator" in m.content)
+        return original(messages, **kwargs)
+
+    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+    strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=1, patience=0,
+                    client_registry={100: 0, 101: 1, 102: 2})
+    strategy.start(grid, train_config=ConfigRecord({"data.note": "raw pixels"}))
+    assert seen == [(100, "raw pixels"), (101, "raw pixels"), (102, "raw pixels")]
+    seen.clear()
+    strategy.train_aggregator(grid, [100, 101, 102, 103])
+    assert [node for node, _ in seen] == [100, 101, 102] and 103 not in strategy.bytes_down
+    assert [(e["node_id"], e["reason"]) for e in strategy.exclusions] == [
+        (103, "node 103 is not in the client registry; not sent the round"),
+        (103, "node 103 is not in the client registry; not sent the uploaded models")]
+
+
+def test_a_node_claiming_many_rows_is_weighted_as_the_round_one_cap_says():
+    """Aggregator rounds cap each node's rows at num_examples_cap x the median of the other
+    nodes' (as round 1 caps num-examples): a claim of 1e9 rows is weighted as 3 x 20."""
+    data = tiny_federation()
+
+    def tamper(index: int, reply: Message) -> Message:
+        if index == 1 and "aggregator" in reply.content:
+            reply.content["metrics"]["num-examples"] = 10**9
+        return reply
+
+    strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=2, patience=0)
+    strategy.start(LocalGrid(fens_client_app(data), 3, tamper=tamper))
+    assert [e for e in strategy.exclusions if e["round"] > 1] == []
+    assert [t["rows"] for t in strategy.trace[1:]] == [20 + 20 + 60] * 2
+    assert [(c["round"], c["node_id"], c["client_id"], c["claimed"], c["capped_to"])
+            for c in strategy.capped_claims] == [(2, 101, 101, 10**9, 60), (3, 101, 101, 10**9, 60)]
 
 
 def test_real_fmnist_fens_beats_the_ensemble_fedavg_and_one_client(tmp_path):

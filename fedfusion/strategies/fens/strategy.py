@@ -41,10 +41,13 @@ from torch import nn
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.evaluation import classification_metrics
 from fedfusion.core.predictors import Ensemble
+from fedfusion.core.screening import capped_counts, capped_reason
 from fedfusion.core.state import state_arrays
 from fedfusion.flower.client_errors import parse_client_error
 from fedfusion.flower.strategy import FusionResult, FusionStrategy
 from fedfusion.flower.train_config import MODEL_KEY, MODEL_KWARGS_KEY, ROUND_KEY
+from fedfusion.reasons import describe
+from fedfusion.sections import MAX_ABS_WEIGHT
 from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
 from fedfusion.strategies.fens.training import (
@@ -59,7 +62,7 @@ from fedfusion.strategies.fens.training import (
     ServerOptimizer,
     features,
 )
-from fedfusion.wire import ClientUpload, encode_models
+from fedfusion.wire import ClientUpload, decode_array, encode_models
 
 log = logging.getLogger("fedfusion")
 
@@ -140,6 +143,9 @@ class FENS(FusionStrategy):
         self.bytes_up: dict[int, int] = {}
         self._served: set[int] = set()
         self._val_features: torch.Tensor | None = None
+        #: what :meth:`start` was given for round 1 beyond the strategy's own keys (e.g. the
+        #: data description of client-data='local'), sent in every aggregator round too
+        self._train_config: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ round 1
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
@@ -168,6 +174,7 @@ class FENS(FusionStrategy):
         """Round 1 (the one-shot uploads, :meth:`FusionStrategy.start`), then
         :meth:`train_aggregator` on the same grid; ``evaluate_fn`` sees both results."""
         kwargs["num_rounds"] = 1
+        self._train_config = dict(kwargs.get("train_config") or {})
         result = super().start(grid, *args, evaluate_fn=evaluate_fn, **kwargs)
         used = self.train_aggregator(grid)
         members = self.predictor.members if isinstance(self.predictor, Ensemble) else []
@@ -191,6 +198,10 @@ class FENS(FusionStrategy):
         if nodes is None:
             nodes = [u.node_id for u in self.uploads if u.node_id is not None] or sorted(
                 grid.get_node_ids())
+        for node in [n for n in nodes if not self.identities.admits(n)]:
+            self.exclude(1, node, f"node {node} is not in the client registry; not sent the "
+                         "uploaded models", node=node)
+        nodes = [n for n in nodes if self.identities.admits(n)]
         assert isinstance(self.predictor, AggregatedEnsemble)
         models = list(self.predictor.members)
         model_record = encode_models([state_arrays(m) for m in models])
@@ -269,7 +280,8 @@ class FENS(FusionStrategy):
         spec = self.context.model_spec
         assert self.aggregator is not None
         return ConfigRecord({
-            ROUND_KEY: server_round, PHASE_KEY: PHASE_AGGREGATOR, MODEL_KEY: spec.name,
+            **self._train_config, ROUND_KEY: server_round, PHASE_KEY: PHASE_AGGREGATOR,
+            MODEL_KEY: spec.name,
             MODEL_KWARGS_KEY: json.dumps(spec.kwargs, sort_keys=True),
             HIDDEN_KEY: self.hidden, NUM_MODELS_KEY: self.aggregator.num_models,
             NUM_CLASSES_KEY: self.aggregator.num_classes, HOLDOUT_KEY: self.holdout_fraction,
@@ -278,11 +290,14 @@ class FENS(FusionStrategy):
     def _collect(self, server_round: int, replies: Iterable[Message],
                  sent: Sequence[Message], state: dict[str, torch.Tensor], state_bytes: int
                  ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-        """Each reply's aggregator and row count, checked: same names and shapes as the
-        global one, finite, rows a whole number; a bad reply, and a node that sends none,
-        is excluded for the round. A reply is the node's its message was sent to (the grid
-        writes each message's id as it pushes it)."""
-        client_states, weights = [], []
+        """Each reply's aggregator and row count, checked: the arrays decoded as an upload's
+        are (:func:`~fedfusion.wire.decode_array`), the global one's names and shapes, finite
+        and within the weights' magnitude cap, rows a whole number, then capped at
+        ``num_examples_cap`` x the median of the other nodes' rows (as round 1 caps
+        ``num_examples``); a bad reply, and a node that sends none, is excluded for the
+        round. A reply is the node's its message was sent to (the grid writes each message's
+        id as it pushes it)."""
+        client_states, weights, weighted_nodes = [], [], []
         replied: set[int] = set()
         owner = {m.metadata.message_id: m.metadata.dst_node_id for m in sent
                  if m.metadata.message_id}
@@ -300,13 +315,18 @@ class FENS(FusionStrategy):
                 continue
             try:
                 record = reply.content[AGGREGATOR_RECORD]
-                client_state = {k: torch.from_numpy(np.array(record[k].numpy(), np.float32))
-                                for k in state}
+                if not isinstance(record, ArrayRecord):
+                    raise TypeError(f"record {AGGREGATOR_RECORD!r} is a "
+                                    f"{type(record).__name__}, not an ArrayRecord")
+                client_state = {k: torch.from_numpy(decode_array(
+                    k, record[k], tuple(v.shape), self.upload_limits).astype(np.float32))
+                    for k, v in state.items()}
                 rows = reply.content["metrics"]["num-examples"]
-            except (KeyError, TypeError, ValueError) as exc:
-                self.exclude(server_round, node, f"malformed aggregator reply: {exc}", node=node)
+            except Exception as exc:  # the last net, as round 1's: one reply never sinks it
+                self.exclude(server_round, node, f"malformed aggregator reply: "
+                             f"{describe(exc)}", node=node)
                 continue
-            problem = _check_state(client_state, state, rows, self.upload_limits.num_examples)
+            problem = _check_state(client_state, rows, self.upload_limits.num_examples)
             if problem:
                 self.exclude(server_round, node, problem, node=node)
                 continue
@@ -315,12 +335,22 @@ class FENS(FusionStrategy):
             if rows:
                 client_states.append(client_state)
                 weights.append(float(rows))
+                weighted_nodes.append(node)
+        counts, medians = capped_counts([int(w) for w in weights], self.num_examples_cap)
+        for i, median in medians.items():
+            node = weighted_nodes[i]
+            record = {"client_id": self.client_of_node(node), "node_id": node,
+                      "claimed": int(weights[i]),
+                      "capped_to": counts[i], "median_of_others": median,
+                      "factor": self.num_examples_cap}
+            log.warning("[fens] aggregator round %d: %s", server_round, capped_reason(record))
+            self.capped_claims.append({"round": server_round, **record})
         for message in sent:
             if message.metadata.dst_node_id not in replied:
                 node = message.metadata.dst_node_id
                 self.exclude(server_round, node, f"no aggregator reply within "
                              f"{self.round_timeout:g} s", node=node)
-        return client_states, weights
+        return client_states, [float(n) for n in counts]
 
     def _score(self) -> dict[str, float]:
         """Validation accuracy and NLL of the current aggregator (empty without ``val``)."""
@@ -367,17 +397,18 @@ def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _check_state(client: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                 rows: object, cap: int) -> str:
-    """Why a client's aggregator reply cannot be averaged ('' when it can); ``cap``: the
-    strategy's cap on ``num-examples`` (its upload limits)."""
+def _check_state(client: dict[str, torch.Tensor], rows: object, cap: int) -> str:
+    """Why a client's aggregator reply (decoded in the global one's shapes) cannot be
+    averaged ('' when it can); ``cap``: the strategy's cap on ``num-examples`` (its upload
+    limits)."""
     if isinstance(rows, bool) or not isinstance(rows, int | float) or not (
             0 <= rows <= cap) or int(rows) != rows:
         return f"num-examples must be a whole number in 0..{cap}, got {rows!r}"
-    for name, value in state.items():
-        if tuple(client[name].shape) != tuple(value.shape):
-            return (f"aggregator entry {name!r} has shape {tuple(client[name].shape)}, the "
-                    f"server's {tuple(value.shape)}")
-        if not torch.isfinite(client[name]).all():
+    for name, value in client.items():
+        if not torch.isfinite(value).all():
             return f"aggregator entry {name!r} holds NaN or Inf"
+        largest = float(value.abs().max()) if value.numel() else 0.0
+        if largest > MAX_ABS_WEIGHT:  # the cap on uploaded weights: FedAdam squares it
+            return (f"aggregator entry {name!r} has values up to {largest:.3g} in magnitude, "
+                    f"above the cap {MAX_ABS_WEIGHT:.0e} on weights")
     return ""
