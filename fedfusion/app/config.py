@@ -430,7 +430,8 @@ class Settings:
     screen_factor: float = knob(
         10.0,
         doc=("robust aggregation: a client whose `weights` hold a layer (any float entry) with an "
-             "L2 norm above this x the median over clients of that layer's norm is excluded, the "
+             "L2 norm above this x the median over clients of that layer's norm (and an RMS above "
+             "this x the network's typical entry RMS) is excluded, the "
              "layer, norm, ratio and median in the reason; needs at least 3 clients sharing the "
              "layer (fewer: nothing is excluded and `results.json` `screening.notes` says so) "
              "([library/robust-aggregation.md](library/robust-aggregation.md); constructor "
@@ -443,6 +444,7 @@ class Settings:
              "fuses: FedBEns, FedFisher, Fisher merging, RegMean) holds a layer whose trace per "
              "example (of its capped count) is above this x the median over clients is excluded, "
              "the section, layer, value, ratio and median in the reason; needs at least 3 clients "
+             "whose trace is above the floor, 1e-6 per diagonal entry "
              "([library/robust-aggregation.md](library/robust-aggregation.md); constructor "
              "argument `curvature_screen_factor`)"),
         valid="`0` (off) or >= 1",
