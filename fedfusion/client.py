@@ -164,6 +164,9 @@ def make_upload(
         x, y = data.x, data.y
     if not models:
         raise ValueError("make_upload needs at least one trained model")
+    if len(y) == 0:  # no count to weight by, no curvature to fit
+        raise ValueError("make_upload needs at least one training row; this client has none "
+                         "(an upload's num-examples must be >= 1)")
     devices = sorted({str(model_device(model)) for model in models})
     if len(devices) > 1:
         raise ValueError(f"make_upload: the members are on different devices {devices}; "

@@ -69,7 +69,6 @@ backward through teacher and student per step.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -282,7 +281,10 @@ def _distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOp
             on_epoch: Callable[[dict[str, float], nn.Module], None] | None) -> Distillation:
     rng = torch.Generator(device=device).manual_seed(options.seed)
     optimiser = torch.optim.Adam(student.parameters(), lr=options.lr)
-    steps = math.ceil(len(val.y) / options.batch_size) if val is not None else 8
+    # every batch of the validation rows, but a last one of a single row (BatchNorm1d in
+    # training mode refuses it; that row is drawn into another batch next epoch)
+    steps = (max(1, len(val.y) // options.batch_size + (len(val.y) % options.batch_size > 1))
+             if val is not None else 8)
     source = (_SyntheticInputs(teacher, student, val, input_shape, options, device, rng)
               if options.mode == "synthetic" else None)
     report: dict[str, Any] = {"options": asdict(options), "steps_per_epoch": steps}

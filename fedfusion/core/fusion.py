@@ -247,7 +247,6 @@ class Fusion(ABC):
         if val_data is not None and len(val_data) and spec.model_fn is not None:
             # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
-            spec.num_classes = spec.num_classes or int(val_data.y.max()) + 1
         self.context = FusionContext(spec, resolve_device(device), val_data, seed)
         AT_LEAST_ONE.check("num_members", num_members)
         AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
@@ -328,6 +327,16 @@ class Fusion(ABC):
             network, self.requirements, x=val_data.x if has_val else None,
             input_shape=spec.input_shape, num_classes=spec.num_classes, name=spec.name,
             strategy=self.name, checks={**REQUIREMENTS, **self.requirement_checks})
+        if not spec.num_classes and self.model_check["output_shape"]:
+            # a user's model_fn: its scores per input, not the validation labels (which may
+            # lack the last class), say how many classes there are
+            spec.num_classes = int(self.model_check["output_shape"][1])
+        if {"float-inputs", "synthetic-distill"} & set(self.requirements) and not (
+                spec.input_shape and spec.num_classes):
+            raise ValueError(
+                f"{self.name} generates its inputs, so it needs the model's input shape and "
+                "number of classes: pass val=(x, y), or a ModelSpec that names them "
+                "(ModelSpec.from_model_fn(model_fn, input_shape=..., num_classes=...))")
         #: BatchNorm layers with running statistics in the server's network: what
         #: ``norm_stats`` acts on (0: the rule changes nothing)
         self.running_stat_layers = len(running_stat_layers(network))
@@ -378,11 +387,12 @@ class Fusion(ABC):
             uploads = [dataclasses.replace(u, members=u.members[:1]) for u in uploads]
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
-        self.predictor = self.fuse(uploads)
-        self.recalibrated_layers = self._apply_norm_stats(self.predictor)
-        if self.distill_options.mode != "none" and self.distils_after_fuse:
-            self.distill_teacher, self.predictor = self.predictor, self._distil(self.predictor,
-                                                                                uploads)
+        with torch.enable_grad():  # the server's optimisations, whatever the caller's mode
+            self.predictor = self.fuse(uploads)
+            self.recalibrated_layers = self._apply_norm_stats(self.predictor)
+            if self.distill_options.mode != "none" and self.distils_after_fuse:
+                self.distill_teacher, self.predictor = self.predictor, self._distil(
+                    self.predictor, uploads)
         self.fuse_seconds += time.perf_counter() - start
         self._check_predictor(self.predictor)
         self._check_chance(self.predictor, server_round)

@@ -50,7 +50,7 @@ def recalibrate(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> int
     (see the module docstring); returns how many layers were updated. Parameters are not
     touched; the model's train/eval modes and momenta are restored."""
     layers = running_stat_layers(model)
-    if not layers or len(x) == 0:
+    if not layers or len(x) < 2:  # one row has no spread to estimate (BatchNorm1d refuses it)
         return 0
     modes = {m: m.training for m in model.modules()}
     momenta = [layer.momentum for layer in layers]

@@ -28,6 +28,7 @@ from helpers.digits import train as adam_train
 from fedfusion import client
 from fedfusion.core.architecture import ModelSpec
 from fedfusion.core.model_check import ModelRefused, check_model
+from fedfusion.core.state import state_arrays
 from fedfusion.flower.train_config import REQUIREMENTS_KEY, STRATEGY_KEY
 from fedfusion.strategies import (
     PFNM,
@@ -93,17 +94,22 @@ class CountingTokenNet(TokenNet):
 
 
 def test_the_client_refuses_what_the_server_could_not_tell_before_training(digits):
-    """DENSE with a user's model_fn and no validation data cannot tell the model reads token
-    ids; the client does, on its own inputs, in initial_models: no training step runs."""
-    strategy = Dense(CountingTokenNet, min_train_nodes=1, min_available_nodes=1)
-    assert strategy.model_check["rows"] == 0  # nothing to run the model on
+    """A server that could not run the model (here: told another architecture than the
+    clients run) cannot tell it reads token ids; the client does, on its own inputs, in
+    initial_models: no training step runs. (DENSE given a user's model_fn with neither
+    validation data nor an input shape is refused on the server: its generator needs one.)"""
+    with pytest.raises(ValueError, match="dense generates its inputs, so it needs the model"):
+        Dense(CountingTokenNet, min_train_nodes=1, min_available_nodes=1)
+    strategy = Dense(ModelSpec.from_model_fn(FloatNet, input_shape=(64,), num_classes=10),
+                     min_train_nodes=1, min_available_nodes=1)
 
     class Grid:
         def get_node_ids(self) -> list[int]:
             return [7]
 
-    [msg] = strategy.configure_train(1, encode_models(strategy.initial_models()),
-                                     ConfigRecord(), Grid())  # type: ignore[arg-type]
+    with torch.random.fork_rng(devices=[]):
+        token_init = encode_models([state_arrays(CountingTokenNet())])
+    [msg] = strategy.configure_train(1, token_init, ConfigRecord(), Grid())  # type: ignore[arg-type]
     config = msg.content["config"]
     assert config[STRATEGY_KEY] == "dense" and list(config[REQUIREMENTS_KEY]) == ["float-inputs"]
     x, y = digits["client0"]
@@ -113,13 +119,13 @@ def test_the_client_refuses_what_the_server_could_not_tell_before_training(digit
         for model in client.initial_models(msg, CountingTokenNet, x):
             adam_train(model, x, y, seed=0, epochs=1)
 
-    with pytest.raises(ModelRefused, match=r"dense cannot fuse model 'CountingTokenNet'.*"
+    # (named as the server declared the architecture)
+    with pytest.raises(ModelRefused, match=r"dense cannot fuse model 'FloatNet'.*"
                                            r"torch.int64.*module 'emb' \(Embedding\).*"
                                            r"distill='val'"):
         user_train()
     assert CountingTokenNet.train_forwards == 0
     # the same client with float inputs, which the generator can make, is let through
-    strategy = Dense(FloatNet, min_train_nodes=1, min_available_nodes=1)
     [msg] = strategy.configure_train(1, encode_models(strategy.initial_models()),
                                      ConfigRecord(), Grid())  # type: ignore[arg-type]
     [model] = client.initial_models(msg, FloatNet, x.float())
