@@ -133,7 +133,7 @@ def handle_train(settings: Settings, client_id: int, msg: Message, state: Record
     data = training_data(settings, client_id, config)
     x, y = data.x, data.y
     holdout = float(config.get(HOLDOUT_KEY, 0.0))
-    if holdout > 0:  # rows kept for a later phase (FENS' aggregator), not trained on
+    if holdout:  # rows kept for a later phase (FENS' aggregator), not trained on
         keep, _ = holdout_split(len(y), holdout, settings.data_seed, client_id)
         x, y = x[keep], y[keep]
     load_s = time.perf_counter() - started  # ~0 after this process's first client

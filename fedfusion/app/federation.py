@@ -37,7 +37,11 @@ def holdout_split(num_rows: int, fraction: float, seed: int, client_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(training rows, held-out rows) of a client's ``num_rows``: ``floor(fraction * n)``
     rows drawn by a generator of (seed, client) held out, so every round and process of a
-    run holds out the same rows (FENS trains its aggregator on them)."""
+    run holds out the same rows (FENS trains its aggregator on them). ``fraction`` comes
+    from the server's train config (``holdout-fraction``): outside [0, 1) is a ValueError."""
+    if not 0 <= fraction < 1:  # NaN too: every row held out, or rows trained on and held out
+        raise ValueError(f"the train config's 'holdout-fraction' must be in [0, 1), got "
+                         f"{fraction!r}")
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(
         (seed * 1_000_003 + client_id * 7919 + 17) % 2**62))
     held = int(fraction * num_rows)

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyNet, sgd
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
+from fedfusion.app.federation import holdout_split
 from fedfusion.app.inprocess import InProcessGrid
 from fedfusion.core.predictors import save_predictor
 from fedfusion.server_app import run_server
@@ -311,6 +312,59 @@ def test_aggregator_rounds_carry_round_ones_train_config_and_keep_to_the_registr
     assert [(e["node_id"], e["reason"]) for e in strategy.exclusions] == [
         (103, "node 103 is not in the client registry; not sent the round"),
         (103, "node 103 is not in the client registry; not sent the uploaded models")]
+
+
+def _first_aggregator_message() -> Message:
+    """The message a node gets in FENS' first aggregator round (models + aggregator)."""
+    grid, sent = LocalGrid(fens_client_app(tiny_federation()), 3), []
+    original = grid.send_and_receive
+
+    def send_and_receive(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        messages = list(messages)
+        sent.extend(m for m in messages if "aggregator" in m.content)
+        return original(messages, **kwargs)
+
+    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+    FENS(TinyNet, num_clients=3, num_members=1, rounds=1, patience=0).start(grid)
+    return sent[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"fens.hidden": 10**8}, "parameters, above the cap 67108864"),
+    ({"fens.hidden": -5}, "needs num_models, num_classes >= 1 and hidden >= 0"),
+    ({"fens.local-epochs": 10**12}, r"needs epochs in 1..1000"),
+    ({"fens.local-epochs": float("inf")}, "'fens.local-epochs' must be a finite number"),
+    ({"aggregator": "config"}, "'aggregator' record is a ConfigRecord, not an ArrayRecord"),
+    ({"aggregator": "missing"}, r"the server's aggregator lacks \['mixture'\]"),
+    ({"aggregator": "header"}, r"its .npy header says <f4 \(4398046511104,\)"),
+])
+def test_a_device_refuses_an_aggregator_round_it_cannot_or_should_not_run(change, message):
+    """A hostile or broken server's numbers sized the device's aggregator (hidden 1e8: 3.2
+    GiB before a bare KeyError) and its training (1e12 epochs: no reply, ever); refused by
+    name before anything is allocated or trained."""
+    msg = _first_aggregator_message()
+    content = RecordDict(dict(msg.content.items()))
+    record = content["aggregator"]
+    if change.get("aggregator") == "config":
+        content["aggregator"] = ConfigRecord({k: 1.0 for k in record})
+    elif change.get("aggregator") == "missing":
+        content["aggregator"] = ArrayRecord({k: v for k, v in record.items() if k != "mixture"})
+    elif change.get("aggregator") == "header":
+        arrays = dict(record.items())
+        arrays["weights"] = _huge_header_array(tuple(record["weights"].shape))
+        content["aggregator"] = ArrayRecord(arrays)
+    else:
+        content["config"] = ConfigRecord({**dict(content["config"].items()), **change})
+    hostile = Message(content=content, dst_node_id=100, message_type=MessageType.TRAIN)
+    x, y = tiny_federation()["hold0"]
+    with pytest.raises(ValueError, match=message):
+        client.aggregator_reply(hostile, RecordDict(), TinyNet, x, y)
+
+
+@pytest.mark.parametrize("fraction", [float("nan"), float("inf"), 1.0, 5.0, -0.5])
+def test_a_holdout_fraction_outside_zero_one_is_refused_by_name(fraction):
+    with pytest.raises(ValueError, match="'holdout-fraction' must be in \\[0, 1\\), got"):
+        holdout_split(40, fraction, 0, 0)
 
 
 def test_a_node_claiming_many_rows_is_weighted_as_the_round_one_cap_says():

@@ -12,6 +12,11 @@ from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.predictors import Ensemble, check_storage
 from fedfusion.models import check_int
 
+#: the aggregator's parameters at most (2**26 floats, 256 MB): FENS' own at C = 100 clients,
+#: 500 models of 10 classes and hidden 2K = 1,000 holds 5M; a device sized by a hostile
+#: server's numbers is refused before anything is allocated
+MAX_AGGREGATOR_PARAMETERS = 2**26
+
 
 class LogitAggregator(nn.Module):
     """FENS' aggregator over K models' log-probabilities ``z`` ``[B, K, C]``, ``p_k = exp z_k``:
@@ -29,6 +34,17 @@ class LogitAggregator(nn.Module):
     on ``a`` as large, relative to the output, at 100 models as at 5."""
 
     def __init__(self, num_models: int, num_classes: int, hidden: int = 0):
+        sizes = (num_models, num_classes, hidden)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes) or min(
+                num_models, num_classes) < 1 or hidden < 0:
+            raise ValueError(f"FENS' aggregator needs num_models, num_classes >= 1 and "
+                             f"hidden >= 0 (ints), got {sizes}")
+        parameters = (2 * num_models * num_classes + num_classes
+                      + hidden * (num_models * num_classes + 1) + num_classes * (hidden + 1))
+        if parameters > MAX_AGGREGATOR_PARAMETERS:
+            raise ValueError(f"FENS' aggregator of {num_models} models x {num_classes} classes "
+                             f"with hidden {hidden} has {parameters} parameters, above the cap "
+                             f"{MAX_AGGREGATOR_PARAMETERS} (MAX_AGGREGATOR_PARAMETERS)")
         super().__init__()
         self.num_models, self.num_classes, self.hidden_size = num_models, num_classes, hidden
         self.mixture = nn.Parameter(torch.zeros(num_models, num_classes))

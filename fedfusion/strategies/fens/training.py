@@ -36,6 +36,12 @@ AGGREGATOR_RECORD, MODELS_RECORD = "aggregator", "models"
 SERVER_OPTIMIZERS = ("fedadam", "fedavg")
 
 
+#: a server's aggregator round asks a device for at most this many epochs, of batches of at
+#: most this many rows (FENS' own: one epoch of 64)
+MAX_LOCAL_EPOCHS = 1000
+MAX_BATCH_SIZE = 2**20
+
+
 @dataclass(frozen=True)
 class LocalTraining:
     """A client's part of one aggregator round: ``epochs`` passes of SGD over its rows."""
@@ -51,10 +57,11 @@ class LocalTraining:
                                       "fens.batch-size": "batch_size"}
 
     def __post_init__(self) -> None:
-        if not (self.epochs >= 1 and self.batch_size >= 1 and self.lr > 0
-                and 0 <= self.momentum < 1 and np.isfinite(self.lr)):
-            raise ValueError(f"FENS local training needs epochs >= 1, batch_size >= 1, lr > 0 "
-                             f"and momentum in [0, 1), got {self}")
+        if not (1 <= self.epochs <= MAX_LOCAL_EPOCHS and 1 <= self.batch_size <= MAX_BATCH_SIZE
+                and self.lr > 0 and 0 <= self.momentum < 1 and np.isfinite(self.lr)):
+            raise ValueError(f"FENS local training needs epochs in 1..{MAX_LOCAL_EPOCHS}, "
+                             f"batch_size in 1..{MAX_BATCH_SIZE}, lr > 0 and momentum in "
+                             f"[0, 1), got {self}")
 
     def to_config(self) -> dict[str, float | int]:
         return {key: getattr(self, name) for key, name in self.KEYS.items()}
@@ -66,8 +73,10 @@ class LocalTraining:
             value = config.get(key)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"train config {key!r} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    np.isfinite(value)):
+                raise ValueError(f"train config {key!r} must be a finite number, got "
+                                 f"{value!r}")
             values[name] = int(value) if name in ("epochs", "batch_size") else float(value)
         return cls(**values)
 
