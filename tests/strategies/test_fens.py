@@ -59,6 +59,21 @@ def fens_client_app(data: dict) -> ClientApp:
     return app
 
 
+def aggregator_recording_grid(num_nodes: int) -> tuple[LocalGrid, list[Message]]:
+    """A LocalGrid of the tiny federation's ClientApp, and the list its aggregator-round
+    messages are recorded in as they are sent."""
+    grid, sent = LocalGrid(fens_client_app(tiny_federation()), num_nodes), []
+    original = grid.send_and_receive
+
+    def send_and_receive(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        messages = list(messages)
+        sent.extend(m for m in messages if "aggregator" in m.content)
+        return original(messages, **kwargs)
+
+    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+    return grid, sent
+
+
 def by_hand_head(g: LogitAggregator, z: torch.Tensor) -> torch.Tensor:
     """The head's formula, row by row and class by class."""
     num_models, num_classes = g.num_models, g.num_classes
@@ -291,24 +306,16 @@ def test_aggregator_rounds_carry_round_ones_train_config_and_keep_to_the_registr
     """What start() was given for round 1 (the data description of client-data='local')
     reaches every aggregator round too; a node outside the client registry is sent neither
     the uploaded models nor a round, also when a replay names every connected node."""
-    data = tiny_federation()
-    grid, seen = LocalGrid(fens_client_app(data), 4), []
-    original = grid.send_and_receive
-
-    def send_and_receive(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        messages = list(messages)
-        seen.extend((m.metadata.dst_node_id, m.content["config"].get("data.note"))
-                    for m in messages if "aggregator" in m.content)
-        return original(messages, **kwargs)
-
-    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+    grid, sent = aggregator_recording_grid(4)
     strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=1, patience=0,
                     client_registry={100: 0, 101: 1, 102: 2})
     strategy.start(grid, train_config=ConfigRecord({"data.note": "raw pixels"}))
-    assert seen == [(100, "raw pixels"), (101, "raw pixels"), (102, "raw pixels")]
-    seen.clear()
+    assert [(m.metadata.dst_node_id, m.content["config"].get("data.note")) for m in sent] == [
+        (100, "raw pixels"), (101, "raw pixels"), (102, "raw pixels")]
+    sent.clear()
     strategy.train_aggregator(grid, [100, 101, 102, 103])
-    assert [node for node, _ in seen] == [100, 101, 102] and 103 not in strategy.bytes_down
+    assert [m.metadata.dst_node_id for m in sent] == [100, 101, 102]
+    assert 103 not in strategy.bytes_down
     assert [(e["node_id"], e["reason"]) for e in strategy.exclusions] == [
         (103, "node 103 is not in the client registry; not sent the round"),
         (103, "node 103 is not in the client registry; not sent the uploaded models")]
@@ -316,15 +323,7 @@ def test_aggregator_rounds_carry_round_ones_train_config_and_keep_to_the_registr
 
 def _first_aggregator_message() -> Message:
     """The message a node gets in FENS' first aggregator round (models + aggregator)."""
-    grid, sent = LocalGrid(fens_client_app(tiny_federation()), 3), []
-    original = grid.send_and_receive
-
-    def send_and_receive(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        messages = list(messages)
-        sent.extend(m for m in messages if "aggregator" in m.content)
-        return original(messages, **kwargs)
-
-    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+    grid, sent = aggregator_recording_grid(3)
     FENS(TinyNet, num_clients=3, num_members=1, rounds=1, patience=0).start(grid)
     return sent[0]
 
