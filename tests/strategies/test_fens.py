@@ -4,7 +4,6 @@ through the Message API, hostile aggregator replies, and real data against the l
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -14,6 +13,7 @@ from conftest import TinyNet, sgd
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
+from helpers.uploads import npy_header
 
 from fedfusion import LocalGrid, client
 from fedfusion.app.config import Settings
@@ -250,11 +250,8 @@ def test_saved_predictor_round_trips_and_a_bad_head_is_refused(tmp_path):
 def _huge_header_array(shape: tuple[int, ...]) -> Array:
     """An Array declaring ``shape`` whose ``.npy`` header claims 2**42 floats, holding 16
     bytes (decoding it as numpy does would ask for 16 TiB)."""
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False,
-                                                  "shape": (2**42,)})
     return Array(dtype="float32", shape=shape, stype=SType.NUMPY,
-                 data=buffer.getvalue() + bytes(16))
+                 data=npy_header((2**42,)) + bytes(16))
 
 
 @pytest.mark.parametrize("attack, reason", [
@@ -333,8 +330,9 @@ def _first_aggregator_message() -> Message:
     ({"fens.hidden": -5}, "needs num_models, num_classes >= 1 and hidden >= 0"),
     ({"fens.local-epochs": 10**12}, r"needs epochs in 1..1000"),
     ({"fens.local-epochs": float("inf")}, "'fens.local-epochs' must be a finite number"),
-    ({"aggregator": "config"}, "'aggregator' record is a ConfigRecord, not an ArrayRecord"),
-    ({"aggregator": "missing"}, r"the server's aggregator lacks \['mixture'\]"),
+    ({"aggregator": "config"}, "record 'aggregator' is a ConfigRecord, not an ArrayRecord"),
+    ({"aggregator": "missing"}, r"the server's aggregator round: the aggregator lacks "
+                                r"\['mixture'\]"),
     ({"aggregator": "header"}, r"its .npy header says <f4 \(4398046511104,\)"),
 ])
 def test_a_device_refuses_an_aggregator_round_it_cannot_or_should_not_run(change, message):

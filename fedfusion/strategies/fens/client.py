@@ -30,10 +30,11 @@ from fedfusion.strategies.fens.training import (
     PHASE_AGGREGATOR,
     PHASE_KEY,
     LocalTraining,
+    decode_aggregator,
     features,
     train_locally,
 )
-from fedfusion.wire import decode_array, decode_models
+from fedfusion.wire import decode_models
 
 #: where ``context.state`` keeps the client's features and labels between rounds
 FEATURES_STATE = "fedfusion.fens.features"
@@ -78,16 +79,12 @@ def aggregator_round(content: RecordDict, state: RecordDict,
                          f"takes {num_models} models x {num_classes} classes")
     with torch.random.fork_rng(devices=[]):
         aggregator = LogitAggregator(num_models, num_classes, int(config[HIDDEN_KEY]))
-    received = content[AGGREGATOR_RECORD]
-    if not isinstance(received, ArrayRecord):
-        raise ValueError(f"FENS: the server's {AGGREGATOR_RECORD!r} record is a "
-                         f"{type(received).__name__}, not an ArrayRecord")
-    missing = sorted(set(aggregator.state_dict()) - set(received.keys()))
-    if missing:
-        raise ValueError(f"FENS: the server's aggregator lacks {missing}")
-    # decoded as the server decodes uploads: declared dtype and shape against the .npy header
-    aggregator.load_state_dict({k: torch.from_numpy(decode_array(k, received[k], tuple(v.shape)))
-                                for k, v in aggregator.state_dict().items()})
+    try:
+        received = decode_aggregator(content[AGGREGATOR_RECORD], {
+            k: tuple(v.shape) for k, v in aggregator.state_dict().items()})
+    except ValueError as exc:
+        raise ValueError(f"FENS: the server's aggregator round: {exc}") from exc
+    aggregator.load_state_dict(received)
     if device is None:  # where model_fn() builds the models (the first round's models)
         with torch.random.fork_rng(devices=[]):
             device = model_device(model_fn())

@@ -60,9 +60,10 @@ from fedfusion.strategies.fens.training import (
     PHASE_KEY,
     LocalTraining,
     ServerOptimizer,
+    decode_aggregator,
     features,
 )
-from fedfusion.wire import ClientUpload, decode_array, encode_models
+from fedfusion.wire import ClientUpload, encode_models
 
 log = logging.getLogger("fedfusion")
 
@@ -314,13 +315,9 @@ class FENS(FusionStrategy):
                              f"{parse_client_error(reply.error.reason)}")
                 continue
             try:
-                record = reply.content[AGGREGATOR_RECORD]
-                if not isinstance(record, ArrayRecord):
-                    raise TypeError(f"record {AGGREGATOR_RECORD!r} is a "
-                                    f"{type(record).__name__}, not an ArrayRecord")
-                client_state = {k: torch.from_numpy(decode_array(
-                    k, record[k], tuple(v.shape), self.upload_limits).astype(np.float32))
-                    for k, v in state.items()}
+                client_state = decode_aggregator(
+                    reply.content[AGGREGATOR_RECORD],
+                    {k: tuple(v.shape) for k, v in state.items()}, self.upload_limits)
                 rows = reply.content["metrics"]["num-examples"]
             except Exception as exc:  # the last net, as round 1's: one reply never sinks it
                 self.exclude(server_round, node, f"malformed aggregator reply: "

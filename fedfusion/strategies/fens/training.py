@@ -22,11 +22,13 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord
 from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.device import model_device
 from fedfusion.strategies.fens.predictor import LogitAggregator, member_log_probs
+from fedfusion.wire import DEFAULT_LIMITS, UploadLimits, decode_array
 
 #: train-config keys of an aggregator round (the client helpers read them)
 PHASE_KEY, PHASE_AGGREGATOR = "fens.phase", "aggregator"
@@ -34,6 +36,22 @@ HIDDEN_KEY, NUM_MODELS_KEY, NUM_CLASSES_KEY = "fens.hidden", "fens.num-models", 
 #: the records of an aggregator round: the global g, and (once per client) the K models
 AGGREGATOR_RECORD, MODELS_RECORD = "aggregator", "models"
 SERVER_OPTIMIZERS = ("fedadam", "fedavg")
+
+
+def decode_aggregator(record: object, shapes: Mapping[str, tuple[int, ...]],
+                      limits: UploadLimits = DEFAULT_LIMITS) -> dict[str, torch.Tensor]:
+    """The aggregator the other side sent (the server to a device, a device back), decoded
+    as uploads are: an ``ArrayRecord`` holding every entry of ``shapes``, each a float array
+    of that shape whose ``.npy`` header agrees (:func:`~fedfusion.wire.decode_array`), as
+    float32 tensors. Raises ValueError naming what is wrong."""
+    if not isinstance(record, ArrayRecord):
+        raise ValueError(f"record {AGGREGATOR_RECORD!r} is a {type(record).__name__}, not an "
+                         "ArrayRecord")
+    missing = sorted(set(shapes) - set(record.keys()))
+    if missing:
+        raise ValueError(f"the aggregator lacks {missing}")
+    return {name: torch.from_numpy(decode_array(name, record[name], shape, limits)
+                                   .astype(np.float32)) for name, shape in shapes.items()}
 
 
 #: a server's aggregator round asks a device for at most this many epochs, of batches of at
