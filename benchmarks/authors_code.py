@@ -39,6 +39,8 @@ from typing import Any
 #: their script, and the one word of it that ``--cpu`` changes
 SCRIPT = "main_FedBEns_kron.py"
 CUDA_SETTING = "\"device\": 'cuda'"
+#: the start of the line printed as a timed call ends: the phase, its seconds so far
+PHASE_LINE = "authors_code phase:"
 
 
 class PhaseClock:
@@ -61,6 +63,8 @@ class PhaseClock:
             finally:
                 self.open.discard(phase)
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+                # as each call ends: a run stopped later still tells what it finished
+                print(f"{PHASE_LINE} {phase} {self.seconds[phase]:.3f}", flush=True)
             self.returned[phase] = value
             return value
         return timed

@@ -14,8 +14,10 @@ validation rows (``fedbens-authors-splits.npz``), at each ``--alphas``, ``--seed
 
 Every run is a fresh process of its own (its CUDA start-up and data loading counted, as in
 theirs), one at a time, alpha by alpha (ours, then theirs), then a short comparison of our
-two training engines on the card (:func:`training_engines`). ``--deadline-s`` starts no run
-expected to end past it (its side's last run's time), so a device lease keeps whole pairs.
+training engines on the card (:func:`training_engines`). ``--deadline-s`` starts no run
+expected to end past it (its side's last run's time), so a device lease keeps whole pairs,
+and stops a run still going at it: recorded as ``unfinished`` with the seconds it ran (a
+lower bound, its ratio in ``speedup_at_least``) and the phases it finished.
 With no GPU the same script runs on the CPU (``--cpu``: their code's one word 'cuda'
 replaced), as a dry run with ``--epochs 1``.
 
@@ -79,8 +81,10 @@ def ours(alpha: float, seed: int, epochs: int, splits: Path, out: str) -> dict[s
 
 def training_engines(device: str, rows: int = 15000, members: int = 5) -> dict[str, Any]:
     """One epoch of ``members`` LeNets on ``rows`` FMNIST rows on ``device``: the members as
-    one computation (``accelerate``: the vmapped engine on a GPU, the stacked one on the CPU)
-    against one after the other, after a warm-up."""
+    one computation (``accelerate``: the vmapped engine on a GPU, its full-batch steps CUDA
+    graphs, the stacked one on the CPU), the vmapped engine without graphs (GPU), and one
+    member after the other, each after a warm-up run."""
+    from fedfusion.accel.vmapped import train_vmapped
     from fedfusion.datasets import load_dataset
     from fedfusion.models import build_model
     from fedfusion.training import TrainConfig, train_members
@@ -88,45 +92,83 @@ def training_engines(device: str, rows: int = 15000, members: int = 5) -> dict[s
     bundle = load_dataset("fmnist")
     x, y = bundle.train.x[:rows], bundle.train.y[:rows]
     config = TrainConfig(epochs=1)
+
+    def accelerated(models: list[torch.nn.Module]) -> None:
+        train_members(models, x, y, config, list(range(members)), accelerate=True)
+
+    def vmapped_eager(models: list[torch.nn.Module]) -> None:
+        train_vmapped(models, x, y, 1, config.lr, config.momentum, config.batch_size,
+                      list(range(members)), cuda_graphs=False)
+
+    def one_by_one(models: list[torch.nn.Module]) -> None:
+        train_members(models, x, y, config, list(range(members)), accelerate=False)
+
+    engines = {"accelerated": accelerated, "one_by_one": one_by_one}
+    if device != "cpu":
+        engines["vmapped_eager"] = vmapped_eager
     seconds = {}
-    for accelerate in (True, False, True, False):  # the first pair warms up
-        torch.manual_seed(0)
-        models = [build_model("lenet", (1, 28, 28), 10).to(device) for _ in range(members)]
-        start = time.perf_counter()
-        train_members(models, x, y, config, list(range(members)), accelerate=accelerate)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        seconds["accelerated" if accelerate else "one_by_one"] = time.perf_counter() - start
+    for name, engine in engines.items():
+        for _ in range(2):  # the first run warms up
+            torch.manual_seed(0)
+            models = [build_model("lenet", (1, 28, 28), 10).to(device) for _ in range(members)]
+            start = time.perf_counter()
+            engine(models)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            seconds[name] = time.perf_counter() - start
     return {"rows": rows, "members": members, "epochs": 1, "device": device,
-            "engine": "stacked" if device == "cpu" else "vmapped",
-            "accelerated_s": seconds["accelerated"], "one_by_one_s": seconds["one_by_one"],
+            "engine": "stacked" if device == "cpu" else "vmapped, CUDA graphs",
+            **{f"{name}_s": value for name, value in seconds.items()},
             "speedup": seconds["one_by_one"] / seconds["accelerated"]}
 
 
-def child(command: list[str], target: Path, log: Path, env: dict[str, str] | None = None
-          ) -> dict[str, Any]:
+def child(command: list[str], target: Path, log: Path, env: dict[str, str] | None = None,
+          timeout: float | None = None) -> dict[str, Any]:
     """``command`` in a fresh process (its own CUDA start-up and data loading, as each run
     of the authors' code has), writing its figures to ``target``; an ``error`` naming the
-    log's end where it failed."""
+    log's end where it failed; where it ran past ``timeout`` seconds, stopped and recorded
+    as ``unfinished``, with ``ran_s`` (a lower bound on its whole run) and the phases it
+    finished (``phases_s``: the lines :mod:`authors_code` prints)."""
     target.unlink(missing_ok=True)
+    start = time.perf_counter()
     with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                              check=False).returncode
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  check=False, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            ran = time.perf_counter() - start
+            return {"unfinished": f"stopped after {ran:.0f} s (--deadline-s)", "ran_s": ran,
+                    "phases_s": finished_phases(log.read_text(errors="replace"))}
     if code != 0 or not target.is_file():
         return {"error": f"exit {code}; the end of {log}:\n{log.read_text()[-1500:]}"}
     return json.loads(target.read_text())
 
 
-def ours_in_child(alpha: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def finished_phases(text: str) -> dict[str, float]:
+    """The last seconds each phase reported in a log of :mod:`authors_code`."""
+    from authors_code import PHASE_LINE
+
+    phases = {}
+    for line in text.splitlines():
+        if line.startswith(PHASE_LINE):
+            fields = line[len(PHASE_LINE):].split()
+            if len(fields) == 2:
+                phases[fields[0]] = float(fields[1])
+    return phases
+
+
+def ours_in_child(alpha: float, args: argparse.Namespace, work: Path,
+                  timeout: float | None) -> dict[str, Any]:
     target = work / f"ours-a{alpha:g}.json"
     command = [sys.executable, __file__, "--ours-cell", str(alpha), "--cell-json", str(target),
                "--seed", str(args.seed), "--epochs", str(args.epochs), "--splits",
                str(args.splits), "--out", args.out, "--data-dir", str(args.data_dir),
                "--authors-code", str(args.authors_code)]
-    return child(command, target, work / f"ours-a{alpha:g}.log")
+    return child(command, target, work / f"ours-a{alpha:g}.log", timeout=timeout)
 
 
-def authors_in_child(alpha: float, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def authors_in_child(alpha: float, args: argparse.Namespace, work: Path,
+                     timeout: float | None) -> dict[str, Any]:
     """Their script at ``alpha`` with ``--authors-site`` (their pinned packages, e.g.
     laplace-torch 0.2.2.2) first on its path."""
     env = dict(os.environ)
@@ -138,7 +180,7 @@ def authors_in_child(alpha: float, args: argparse.Namespace, work: Path) -> dict
                "--work", str(work), "--alpha", str(alpha), "--seed", str(args.seed),
                "--epochs", str(args.epochs), "--json", str(target)] + (
                    ["--cpu"] if args.cpu else [])
-    return child(command, target, work / f"authors-a{alpha:g}.log", env)
+    return child(command, target, work / f"authors-a{alpha:g}.log", env, timeout)
 
 
 def prepare_authors_work(data_dir: Path, work: Path) -> None:
@@ -174,7 +216,7 @@ def main() -> None:
     parser.add_argument("--skip-authors", action="store_true")
     parser.add_argument("--deadline-s", type=float, default=0,
                         help="start no run expected to end past this many seconds (its side's "
-                             "last run's time); 0 = none")
+                             "last run's time), stop one still running at it; 0 = none")
     parser.add_argument("--cpu", action="store_true", help="a dry run without a GPU")
     parser.add_argument("--out", default=str(REPO / "outputs" / "bench-gpu-end-to-end"))
     parser.add_argument("--json", type=Path, default=RESULTS)
@@ -211,6 +253,11 @@ def main() -> None:
         record["speedup"] = {f"{c['alpha']:g}": {k: c["authors"][k] / c["ours"][k]
                                                  for k in ("wall_s", "client_s", "server_s")}
                              for c in done}
+        # theirs stopped at the deadline: its time so far over ours, a lower bound
+        record["speedup_at_least"] = {
+            f"{c['alpha']:g}": {"wall_s": c["authors"]["ran_s"] / c["ours"]["wall_s"]}
+            for c in cells if "wall_s" in c.get("ours", {})
+            and "ran_s" in c.get("authors", {})}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1))
 
@@ -229,7 +276,8 @@ def main() -> None:
                 print(f"{who}, alpha {cell['alpha']:g}: {cell[who]['skipped']}", flush=True)
                 continue
             print(f"{who}, alpha {cell['alpha']:g} ...", flush=True)
-            cell[who] = run(cell["alpha"], args, work)
+            cell[who] = run(cell["alpha"], args, work,
+                            args.deadline_s - elapsed if args.deadline_s else None)
             took[who] = time.perf_counter() - started - elapsed
             print(json.dumps(cell[who])[:2000], flush=True)
             devices = [d for c in record["cells"]
@@ -252,6 +300,9 @@ def main() -> None:
     for alpha, ratio in record["speedup"].items():
         print(f"alpha {alpha}: ours is {ratio['wall_s']:.1f}x faster whole run, "
               f"{ratio['client_s']:.1f}x client phase, {ratio['server_s']:.1f}x server")
+    for alpha, ratio in record["speedup_at_least"].items():
+        print(f"alpha {alpha}: theirs stopped unfinished; ours is at least "
+              f"{ratio['wall_s']:.1f}x faster whole run")
     print(f"saved {args.json}")
     failed = [f"{who} at alpha {c['alpha']:g}" for c in record["cells"]
               for who in ("ours", "authors") if "error" in c.get(who, {})]

@@ -213,7 +213,16 @@ def main(argv: list[str] | None = None) -> int:
              "; no CUDA device: the GPU column stays 'not measured'"), flush=True)
     for device in devices:  # warm-up: CUDA context, kernels, allocator, thread pool
         fuse_cell(settings.replace(server_steps=5), spec, split, uploads[:5], device)
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def save(profile: str | None = None) -> None:  # after every row: a run cut short keeps them
+        RESULTS.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "uploads": source,
+            "run_config": {k: settings.to_mapping()[k] for k in train_config(args)},
+            "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
+            "cpu_threads": threads, "torch": torch.__version__, "rows": rows,
+            "profile": profile}, indent=1))
+
     for clients in cells:
         for label, device, overrides in variants:
             print(f"C = {clients}, {label} ...", flush=True)
@@ -223,17 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.2f}" for k, v in row["phases_s"].items())
                 + f"), accuracy {100 * row['test_accuracy']:.2f}%", flush=True)
             rows.append(row)
+            save()
     profile = profile_steps(settings, spec, split, uploads[:max(cells)]) if (
         args.profile and "cuda" in devices) else None
     if profile:
         print(profile)
     print_table(rows, cells)
-    RESULTS.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "uploads": source,
-        "run_config": {k: settings.to_mapping()[k] for k in train_config(args)},
-        "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
-        "cpu_threads": threads, "torch": torch.__version__, "rows": rows,
-        "profile": profile}, indent=1))
+    save(profile)
     print(f"saved {RESULTS}")
     return 0
 

@@ -14,6 +14,13 @@ PyTorch's SGD update (``buf = momentum * buf + grad``, ``w -= lr * buf``; the fi
 the gradient itself). Each member's gradient is that of its own mean cross-entropy over its
 own batch, equal to the one-by-one result up to float summation order.
 
+On a GPU, vmapped, a LeNet step is still many small kernels that the CPU launches one by one
+through torch.func's dispatch (benchmarks/docs/gpu.md): a full-batch step (gather, forward,
+backward, update) is therefore captured once as a CUDA graph and replayed
+(:class:`_GraphedStep`; the batch's row indices are its one input). Its first replay is
+checked against the same step run eagerly; a capture that fails or disagrees leaves the rest
+of the training eager (logged). Partial last batches always run eagerly.
+
 Supported: any model ``torch.func.functional_call`` can run under ``vmap`` without buffers
 (no BatchNorm running statistics) and without random layers in training mode (dropout with
 ``p > 0``), every member on one device, with no loss terms (the App asks for it on GPUs
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -70,16 +77,19 @@ def supports(models: Sequence[nn.Module]) -> bool:
 
 def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
                   epochs: int, lr: float, momentum: float, batch_size: int,
-                  seeds: Sequence[int]) -> tuple[float, list[float]] | None:
+                  seeds: Sequence[int], *, cuda_graphs: bool = True
+                  ) -> tuple[float, list[float]] | None:
     """Train ``models`` in place, member m with batch order ``seeds[m]``; returns the wall
     seconds and each member's last-batch loss, or None when :func:`supports` says no or the
     model's forward cannot run under ``vmap`` (an op without a batching rule, data-dependent
     control flow) or the stacked step does not fit in memory: the models are then untouched
-    (they are written only at the end) and train one by one."""
+    (they are written only at the end) and train one by one. ``cuda_graphs``: on a CUDA
+    device with the data there, replay full-batch steps as one CUDA graph (no effect
+    elsewhere)."""
     if not supports(models):
         return None
     try:
-        return _train(models, x, y, epochs, lr, momentum, batch_size, seeds)
+        return _train(models, x, y, epochs, lr, momentum, batch_size, seeds, cuda_graphs)
     except RuntimeError as error:  # torch.OutOfMemoryError is one too
         log.warning("fedfusion: the %d members cannot train as one vmapped computation "
                     "(%s: %.200s); training them one by one", len(models),
@@ -88,8 +98,8 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
 
 
 def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs: int,
-           lr: float, momentum: float, batch_size: int,
-           seeds: Sequence[int]) -> tuple[float, list[float]]:
+           lr: float, momentum: float, batch_size: int, seeds: Sequence[int],
+           cuda_graphs: bool) -> tuple[float, list[float]]:
     device = next(models[0].parameters()).device  # one device: supports() checked
     template = models[0]
     members = [dict(m.named_parameters()) for m in models]
@@ -104,10 +114,24 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
         with sdpa_kernel(SDPBackend.MATH):
             return F.cross_entropy(functional_call(template, params, (inputs,)), labels)
 
-    step = vmap(grad_and_value(loss_of))
+    gradient = vmap(grad_and_value(loss_of))
     on_device = x.nbytes <= DEVICE_DATA_BYTES and (
         device.type != "cuda" or x.nbytes <= torch.cuda.mem_get_info(device)[0] // 4)
     xs, ys = (x.to(device), y.to(device)) if on_device else (x, y)
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        """One SGD step of every member on its rows ``batch[m]``; the members' losses."""
+        inputs = xs[batch].to(device, non_blocking=True)
+        labels = ys[batch].to(device, non_blocking=True)
+        grads, losses = gradient(weights, inputs, labels)
+        for name in names:
+            velocity[name].mul_(momentum).add_(grads[name])
+            weights[name].sub_(velocity[name], alpha=lr)
+        return losses
+
+    graphed = (_GraphedStep(step, [*weights.values(), *velocity.values()],
+                            (len(models), batch_size), device)
+               if cuda_graphs and on_device and device.type == "cuda" else None)
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     n = len(y)
     losses = torch.full((len(models),), float("nan"))
@@ -119,12 +143,8 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
             orders = orders.to(device, non_blocking=True)
         for begin in range(0, n, batch_size):
             batch = orders[:, begin:begin + batch_size]
-            inputs = xs[batch].to(device, non_blocking=True)
-            labels = ys[batch].to(device, non_blocking=True)
-            grads, losses = step(weights, inputs, labels)
-            for name in names:
-                velocity[name].mul_(momentum).add_(grads[name])
-                weights[name].sub_(velocity[name], alpha=lr)
+            full = batch.shape[1] == batch_size
+            losses = graphed(batch) if graphed is not None and full else step(batch)
     with torch.no_grad():
         for m, (model, member) in enumerate(zip(models, members, strict=True)):
             for name, parameter in member.items():
@@ -132,3 +152,96 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
             model.eval()
     final = [float(v) for v in losses.detach().cpu().tolist()]  # waits for the GPU
     return time.perf_counter() - start, final
+
+
+class _GraphedStep:
+    """A full-batch :func:`_train` step replayed as one CUDA graph. The step's one input is
+    the batch's row indices, copied into :attr:`index`; its state (``state``: the stacked
+    weights and momentum buffers, every tensor the step writes) is updated in place, so the
+    graph reads and writes the same memory as the eager step. Warm-up steps run eagerly on a
+    side stream (CUDA graphs' recipe: lazy cuBLAS/cuDNN state is set up outside the
+    capture); the first replay is checked against the same step run eagerly from the same
+    state, and a capture that fails or disagrees leaves every later step eager."""
+
+    #: eager steps before the capture
+    WARMUP = 2
+    #: how far the first replay may be from the eager step (the same kernels: ~0 expected)
+    TOLERANCE = 1e-4
+
+    def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
+                 state: Sequence[torch.Tensor], shape: tuple[int, int],
+                 device: torch.device) -> None:
+        self.step, self.state, self.device = step, state, device
+        self.index = torch.zeros(shape, dtype=torch.long, device=device)
+        self.replay: Callable[[], torch.Tensor] | None = None
+        self.warmups_left = self.WARMUP
+        self.eager = False  # a capture failed or disagreed
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        self.index.copy_(batch)
+        if self.eager or self.warmups_left > 0:
+            self.warmups_left -= 1
+            return self._eager()
+        if self.replay is None:
+            return self._capture_and_check()
+        return self.replay()
+
+    def _eager(self) -> torch.Tensor:
+        return on_side_stream(lambda: self.step(self.index), self.device)
+
+    def _capture_and_check(self) -> torch.Tensor:
+        before = [t.clone() for t in self.state]
+        try:
+            replay = capture(lambda: self.step(self.index), self.device)
+            losses = replay()
+        except RuntimeError as error:  # an operation that cannot be captured
+            log.warning("fedfusion: the vmapped training step cannot be captured as a CUDA "
+                        "graph (%.200s); its steps stay eager", error)
+            self._restore(before)  # a capture runs nothing; one copy makes sure of it
+            self.eager = True
+            return self._eager()
+        replayed = [t.clone() for t in self.state]
+        self._restore(before)
+        eager_losses = self._eager()
+        differs = max(float((r - t).abs().max())
+                      for r, t in zip(replayed, self.state, strict=True))
+        differs = max(differs, float((losses - eager_losses).abs().max()))
+        if not differs <= self.TOLERANCE:
+            log.warning("fedfusion: the vmapped training step's CUDA graph differs from its "
+                        "eager step by %.3g; its steps stay eager", differs)
+            self.eager = True
+        else:
+            self.replay = replay
+        return eager_losses
+
+    def _restore(self, saved: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, value in zip(self.state, saved, strict=True):
+                t.copy_(value)
+
+
+def capture(work: Callable[[], torch.Tensor], device: torch.device
+            ) -> Callable[[], torch.Tensor]:
+    """``work`` recorded (not run) as a CUDA graph on ``device``; a function that replays it
+    and returns the tensor ``work`` returned, rewritten by each replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.graph(graph):
+        output = work()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+    return replay
+
+
+def on_side_stream(work: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``work`` run eagerly on a side stream of ``device`` that waits for, and is waited for
+    by, the current one (how CUDA graphs' warm-ups must run)."""
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            output = work()
+        current.wait_stream(side)
+    return output

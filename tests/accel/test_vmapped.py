@@ -161,3 +161,75 @@ def test_on_a_gpu_each_member_ends_where_its_own_training_ends(name, shape, kwar
     # cuDNN may run convolutions and matmuls in TF32 (10-bit mantissa) on the GPU
     assert _max_difference(stacked, alone) < 1e-2
     assert losses == pytest.approx([r.final_loss for r in reference], abs=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("disagree", [False, True], ids=["graphed", "check-fails"])
+def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, disagree):
+    """Full-batch steps replayed as a CUDA graph end where the eager vmapped steps end; a
+    first replay that disagrees with its eager step (forced here) leaves the rest eager, with
+    the same result and a warning."""
+    x, y = _data((1, 28, 28), 200)  # 12 full batches of 16 an epoch, then 8 rows
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda graph: replays.append(1) or real_replay(graph))
+    if disagree:
+        monkeypatch.setattr(vmapped._GraphedStep, "TOLERANCE", -1.0)
+    graphed = _members("lenet", (1, 28, 28), {}, "cuda")
+    eager = copy.deepcopy(graphed)
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        _, losses = vmapped.train_vmapped(graphed, x, y, CONFIG.epochs, CONFIG.lr,
+                                          CONFIG.momentum, CONFIG.batch_size, SEEDS)
+    full_steps = CONFIG.epochs * (len(y) // CONFIG.batch_size)
+    # the capture's own replay (checked), then one replay per full step after it
+    assert len(replays) == (1 if disagree else full_steps - vmapped._GraphedStep.WARMUP)
+    assert bool(caplog.records) == disagree
+    _, eager_losses = vmapped.train_vmapped(eager, x, y, CONFIG.epochs, CONFIG.lr,
+                                            CONFIG.momentum, CONFIG.batch_size, SEEDS,
+                                            cuda_graphs=False)
+    assert _max_difference(graphed, eager) < 1e-5
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("capture", ["replays", "fails", "fails-midway", "disagrees"])
+def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture):
+    """The graph's bookkeeping, on the CPU with the CUDA calls faked (a fake capture records
+    without running, as CUDA's does; its replay runs the step): warm-ups, then a capture
+    whose first replay is checked against the eager step from the same state; a capture that
+    fails (also after running part of a step) or a replay that disagrees leaves the rest
+    eager. Whatever happens, every batch is applied to the state exactly once."""
+    state = torch.zeros(3)
+
+    def step(index: torch.Tensor) -> torch.Tensor:
+        state.add_(index.sum(1).float())
+        return state.clone()
+
+    replays: list[int] = []
+
+    def fake_capture(work, device):
+        if capture == "fails-midway":
+            work()
+        if capture.startswith("fails"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def replay():
+            replays.append(1)
+            out = work()
+            if capture == "disagrees":
+                state.add_(1.0)
+            return out
+        return replay
+
+    monkeypatch.setattr(vmapped, "capture", fake_capture)
+    monkeypatch.setattr(vmapped, "on_side_stream", lambda work, device: work())
+    graphed = vmapped._GraphedStep(step, [state], (3, 2), torch.device("cpu"))
+    batches = [torch.arange(6).reshape(3, 2) + 10 * b for b in range(7)]
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        losses = [graphed(batch) for batch in batches]
+    expected = sum(batch.sum(1).float() for batch in batches)
+    assert torch.equal(state, expected)
+    assert torch.equal(losses[-1], expected)
+    steps_after_warmup = len(batches) - vmapped._GraphedStep.WARMUP
+    assert len(replays) == {"replays": steps_after_warmup, "disagrees": 1}.get(capture, 0)
+    assert bool(caplog.records) == (capture != "replays")
