@@ -129,11 +129,13 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
             weights[name].sub_(velocity[name], alpha=lr)
         return losses
 
+    n = len(y)
     graphed = (_GraphedStep(step, [*weights.values(), *velocity.values()],
                             (len(models), batch_size), device)
-               if cuda_graphs and on_device and device.type == "cuda" else None)
+               if cuda_graphs and on_device and device.type == "cuda"
+               and epochs * (n // batch_size) >= _GraphedStep.MIN_FULL_STEPS
+               and not _GraphedStep.broken else None)
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
-    n = len(y)
     losses = torch.full((len(models),), float("nan"))
     template.train()
     start = time.perf_counter()
@@ -158,21 +160,29 @@ class _GraphedStep:
     """A full-batch :func:`_train` step replayed as one CUDA graph. The step's one input is
     the batch's row indices, copied into :attr:`index`; its state (``state``: the stacked
     weights and momentum buffers, every tensor the step writes) is updated in place, so the
-    graph reads and writes the same memory as the eager step. Warm-up steps run eagerly on a
-    side stream (CUDA graphs' recipe: lazy cuBLAS/cuDNN state is set up outside the
-    capture); the first replay is checked against the same step run eagerly from the same
-    state, and a capture that fails or disagrees leaves every later step eager."""
+    graph reads and writes the same memory as the eager step. Warm-up steps run eagerly on
+    the side stream the graph is captured on (CUDA graphs' recipe: lazy cuBLAS/cuDNN state
+    is set up outside the capture); the first replay is checked against the same step run
+    eagerly from the same state, and a capture that fails or disagrees leaves every later
+    step eager. A capture that fails is not tried again in this process (a broken capture
+    can leave the allocator's capture state behind)."""
 
-    #: eager steps before the capture
-    WARMUP = 2
-    #: how far the first replay may be from the eager step (the same kernels: ~0 expected)
-    TOLERANCE = 1e-4
+    #: eager steps before the capture (torch.cuda.graphs' recipe)
+    WARMUP = 3
+    #: fewer full-batch steps than this in the whole training: no capture (it costs a device
+    #: synchronisation and an emptied allocator cache)
+    MIN_FULL_STEPS = 16
+    #: how far the first replay may be from the eager step, per tensor (the same kernels)
+    RTOL, ATOL = 1e-4, 1e-5
+    #: a capture failed in this process
+    broken = False
 
     def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
                  state: Sequence[torch.Tensor], shape: tuple[int, int],
                  device: torch.device) -> None:
         self.step, self.state, self.device = step, state, device
         self.index = torch.zeros(shape, dtype=torch.long, device=device)
+        self.side = _side_stream(device)
         self.replay: Callable[[], torch.Tensor] | None = None
         self.warmups_left = self.WARMUP
         self.eager = False  # a capture failed or disagreed
@@ -187,31 +197,32 @@ class _GraphedStep:
         return self.replay()
 
     def _eager(self) -> torch.Tensor:
-        return on_side_stream(lambda: self.step(self.index), self.device)
+        return on_side_stream(lambda: self.step(self.index), self.device, self.side)
 
     def _capture_and_check(self) -> torch.Tensor:
         before = [t.clone() for t in self.state]
         try:
-            replay = capture(lambda: self.step(self.index), self.device)
+            replay = capture(lambda: self.step(self.index), self.device, self.side)
             losses = replay()
         except RuntimeError as error:  # an operation that cannot be captured
             log.warning("fedfusion: the vmapped training step cannot be captured as a CUDA "
-                        "graph (%.200s); its steps stay eager", error)
+                        "graph (%.200s); steps stay eager in this process", error)
+            type(self).broken = True
             self._restore(before)  # a capture runs nothing; one copy makes sure of it
             self.eager = True
             return self._eager()
         replayed = [t.clone() for t in self.state]
         self._restore(before)
         eager_losses = self._eager()
-        differs = max(float((r - t).abs().max())
-                      for r, t in zip(replayed, self.state, strict=True))
-        differs = max(differs, float((losses - eager_losses).abs().max()))
-        if not differs <= self.TOLERANCE:
-            log.warning("fedfusion: the vmapped training step's CUDA graph differs from its "
-                        "eager step by %.3g; its steps stay eager", differs)
-            self.eager = True
-        else:
+        agree = all(torch.allclose(r, t, rtol=self.RTOL, atol=self.ATOL)
+                    for r, t in zip([*replayed, losses], [*self.state, eager_losses],
+                                    strict=True))
+        if agree:
             self.replay = replay
+        else:
+            log.warning("fedfusion: the vmapped training step's CUDA graph differs from its "
+                        "eager step; its steps stay eager")
+            self.eager = True
         return eager_losses
 
     def _restore(self, saved: Sequence[torch.Tensor]) -> None:
@@ -220,13 +231,26 @@ class _GraphedStep:
                 t.copy_(value)
 
 
-def capture(work: Callable[[], torch.Tensor], device: torch.device
-            ) -> Callable[[], torch.Tensor]:
-    """``work`` recorded (not run) as a CUDA graph on ``device``; a function that replays it
-    and returns the tensor ``work`` returned, rewritten by each replay."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """One stream of its own for a step's warm-ups, capture and eager steps (None on other
+    devices, whose steps are never graphed)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def capture(work: Callable[[], torch.Tensor], device: torch.device,
+            stream: torch.cuda.Stream | None) -> Callable[[], torch.Tensor]:
+    """``work`` recorded (not run) as a CUDA graph on ``stream``; a function that replays it
+    and returns the tensor ``work`` returned, rewritten by each replay. Other threads' CUDA
+    work is left alone during the capture (``thread_local``), and the thread's current stream
+    is restored even when the capture fails."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(device), torch.cuda.graph(graph):
-        output = work()
+    current = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.device(device), torch.cuda.graph(graph, stream=stream,
+                                                         capture_error_mode="thread_local"):
+            output = work()
+    finally:
+        torch.cuda.set_stream(current)
 
     def replay() -> torch.Tensor:
         graph.replay()
@@ -234,14 +258,15 @@ def capture(work: Callable[[], torch.Tensor], device: torch.device
     return replay
 
 
-def on_side_stream(work: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``work`` run eagerly on a side stream of ``device`` that waits for, and is waited for
-    by, the current one (how CUDA graphs' warm-ups must run)."""
+def on_side_stream(work: Callable[[], torch.Tensor], device: torch.device,
+                   side: torch.cuda.Stream | None) -> torch.Tensor:
+    """``work`` run eagerly on ``side`` that waits for, and is waited for by, the current
+    stream (how CUDA graphs' warm-ups must run); its output is marked as used there."""
     with torch.cuda.device(device):
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
             output = work()
         current.wait_stream(side)
+    output.record_stream(current)
     return output

@@ -9,6 +9,10 @@ GPU runs where one is present."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,19 +168,23 @@ def test_on_a_gpu_each_member_ends_where_its_own_training_ends(name, shape, kwar
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("disagree", [False, True], ids=["graphed", "check-fails"])
-def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, disagree):
+@pytest.mark.parametrize(("name", "shape", "kwargs", "disagree"),
+                         [(*m, False) for m in MODELS] + [(*MODELS[0], True)],
+                         ids=[m[0] for m in MODELS] + ["lenet-check-fails"])
+def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, name, shape, kwargs,
+                                                 disagree):
     """Full-batch steps replayed as a CUDA graph end where the eager vmapped steps end; a
     first replay that disagrees with its eager step (forced here) leaves the rest eager, with
     the same result and a warning."""
-    x, y = _data((1, 28, 28), 200)  # 12 full batches of 16 an epoch, then 8 rows
+    x, y = _data(shape, 200)  # 12 full batches of 16 an epoch, then 8 rows
     replays = []
     real_replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
                         lambda graph: replays.append(1) or real_replay(graph))
+    monkeypatch.setattr(vmapped._GraphedStep, "broken", False)
     if disagree:
-        monkeypatch.setattr(vmapped._GraphedStep, "TOLERANCE", -1.0)
-    graphed = _members("lenet", (1, 28, 28), {}, "cuda")
+        monkeypatch.setattr(vmapped._GraphedStep, "RTOL", -1.0)
+    graphed = _members(name, shape, kwargs, "cuda")
     eager = copy.deepcopy(graphed)
     with caplog.at_level("WARNING", logger="fedfusion"):
         _, losses = vmapped.train_vmapped(graphed, x, y, CONFIG.epochs, CONFIG.lr,
@@ -184,12 +192,48 @@ def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, disagree):
     full_steps = CONFIG.epochs * (len(y) // CONFIG.batch_size)
     # the capture's own replay (checked), then one replay per full step after it
     assert len(replays) == (1 if disagree else full_steps - vmapped._GraphedStep.WARMUP)
-    assert bool(caplog.records) == disagree
+    assert [r.getMessage()[:40] for r in caplog.records] == (
+        ["fedfusion: the vmapped training step's "] if disagree else [])
     _, eager_losses = vmapped.train_vmapped(eager, x, y, CONFIG.epochs, CONFIG.lr,
                                             CONFIG.momentum, CONFIG.batch_size, SEEDS,
                                             cuda_graphs=False)
-    assert _max_difference(graphed, eager) < 1e-5
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert _max_difference(graphed, eager) < 1e-4
+    assert losses == pytest.approx(eager_losses, abs=1e-4)
+
+
+#: run in a fresh process: a failed capture can leave the allocator's capture state behind
+#: (torch < 2.12), which would fail every later capture in the test session
+FAILING_CAPTURE = """
+import logging, torch
+from fedfusion.accel import vmapped
+logging.basicConfig(level=logging.WARNING)
+state = torch.zeros(3, device="cuda")
+def step(index):
+    state.add_(index.sum(1).float() * (1.0 + 0.0 * float(index.sum())))  # .item(): a sync
+    return state.clone()
+stream = torch.cuda.current_stream()
+graphed = vmapped._GraphedStep(step, [state], (3, 2), torch.device("cuda"))
+batches = [torch.arange(6, device="cuda").reshape(3, 2) + 10 * b for b in range(6)]
+for batch in batches:
+    graphed(batch)
+assert torch.equal(state.cpu(), sum(b.sum(1).float() for b in batches).cpu()), state
+assert torch.cuda.current_stream() == stream
+assert vmapped._GraphedStep.broken and graphed.eager
+print("failed capture handled")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_capture_that_fails_leaves_the_thread_as_it_was():
+    """A step that synchronises (``.item()``) cannot be captured: every batch is still
+    applied once, eagerly, the thread's current stream is the one it had, the failure is
+    logged, and no later training in the process tries to capture again."""
+    done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "failed capture handled" in done.stdout
+    assert done.stderr.count("cannot be captured as a CUDA graph") == 1
 
 
 @pytest.mark.parametrize("capture", ["replays", "fails", "fails-midway", "disagrees"])
@@ -207,7 +251,7 @@ def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture
 
     replays: list[int] = []
 
-    def fake_capture(work, device):
+    def fake_capture(work, device, stream):
         if capture == "fails-midway":
             work()
         if capture.startswith("fails"):
@@ -222,7 +266,8 @@ def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture
         return replay
 
     monkeypatch.setattr(vmapped, "capture", fake_capture)
-    monkeypatch.setattr(vmapped, "on_side_stream", lambda work, device: work())
+    monkeypatch.setattr(vmapped, "on_side_stream", lambda work, device, side: work())
+    monkeypatch.setattr(vmapped._GraphedStep, "broken", False)
     graphed = vmapped._GraphedStep(step, [state], (3, 2), torch.device("cpu"))
     batches = [torch.arange(6).reshape(3, 2) + 10 * b for b in range(7)]
     with caplog.at_level("WARNING", logger="fedfusion"):
@@ -233,3 +278,4 @@ def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture
     steps_after_warmup = len(batches) - vmapped._GraphedStep.WARMUP
     assert len(replays) == {"replays": steps_after_warmup, "disagrees": 1}.get(capture, 0)
     assert bool(caplog.records) == (capture != "replays")
+    assert vmapped._GraphedStep.broken == capture.startswith("fails")
