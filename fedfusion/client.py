@@ -18,6 +18,8 @@ Gram sections do not.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import time
@@ -34,6 +36,7 @@ from fedfusion.core.state import load_models
 from fedfusion.curvature import DEFAULT_BACKEND, import_laplace
 from fedfusion.curvature.fit import uses_laplace
 from fedfusion.device import DEVICE_METRIC, device_metric, model_device
+from fedfusion.flower.identity import SERVER_ID_BASE
 from fedfusion.flower.train_config import (
     MODEL_KEY,
     MODEL_KWARGS_KEY,
@@ -62,8 +65,20 @@ def _content(msg: Message | RecordDict) -> RecordDict:
     return msg.content if isinstance(msg, Message) else msg
 
 
+def _not_an_aggregator_round(msg: Message | RecordDict) -> None:
+    """A ClientApp that answers FENS' aggregator rounds as training rounds is told how to
+    tell them apart."""
+    if is_aggregator_round(msg):
+        raise ValueError(
+            "this message is one of FENS' aggregator rounds (every round after the first), not "
+            "a training round: answer it with fedfusion.client.aggregator_reply(msg, "
+            "context.state, model_fn, x_held_out, y_held_out); fedfusion.client."
+            "is_aggregator_round(msg) tells the two apart (docs/strategies/fens.md)")
+
+
 def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
     """The state dicts the server broadcast (``"<m>/<param>"`` keys of the ``arrays`` record)."""
+    _not_an_aggregator_round(msg)
     content = _content(msg)
     if "arrays" not in content:
         raise ValueError(f"the train message has no 'arrays' record (it holds {list(content)}): "
@@ -78,15 +93,18 @@ def broadcast_states(msg: Message | RecordDict) -> list[NumpyDict]:
             "converts it") from exc
 
 
-def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module],
+def initial_models(msg: Message | RecordDict, model_fn: Callable[[], nn.Module] | nn.Module,
                    x: torch.Tensor | None = None) -> list[nn.Module]:
-    """One fresh ``model_fn()`` per broadcast member, loaded with the server's weights (the
+    """One fresh ``model_fn()`` (or copy of a template module, as the strategies also take)
+    per broadcast member, loaded with the server's weights (the
     throw-away init draws from a fork of torch's global RNG: the caller's does not advance),
     checked for the strategy the message names before anything trains
     (:func:`fedfusion.core.model_check.check_received`: the strategy's requirements, and with
     ``x``, a few of the client's inputs, a dry forward on them). A model the strategy cannot
     fuse raises :class:`~fedfusion.core.model_check.ModelRefused` naming the module and the
     alternative."""
+    if isinstance(model_fn, nn.Module):
+        model_fn = functools.partial(copy.deepcopy, model_fn)
     models = load_models(broadcast_states(msg), model_fn, "the server's member")
     content = _content(msg)
     if models and "config" in content:
@@ -130,7 +148,7 @@ def make_upload(
     ----------
     models : sequence of nn.Module
         The client's trained members (all of one architecture, on one device).
-    x, y : tensors
+    x, y : tensors (or NumPy arrays, lists)
         The client's training data (or ``x`` = an ``(x, y)`` pair / DataLoader, ``y`` = None),
         best left on the CPU: curvature and Gram sections are computed on it.
     sections : sequence of str, default ("weights",)
@@ -159,9 +177,9 @@ def make_upload(
         ``accelerate`` (None: ``FEDFUSION_ACCEL``, else off; :mod:`fedfusion.accel`);
         see :class:`fedfusion.sections.SectionOptions`.
     """
-    if y is None:
-        data = as_labelled(x, "client data")
-        x, y = data.x, data.y
+    # NumPy arrays and lists too: as_labelled makes int64 labels and float32 inputs
+    data = as_labelled(x if y is None else (x, y), "client data")
+    x, y = data.x, data.y
     if not models:
         raise ValueError("make_upload needs at least one trained model")
     if len(y) == 0:  # no count to weight by, no curvature to fit
@@ -246,11 +264,14 @@ def reply(
     """The Flower reply to the server's train ``msg``: :func:`make_upload` with exactly the
     sections the message asks for, encoded in fedfusion's upload format.
 
-    ``client_id`` defaults to the node id; ``model_name``/``model_kwargs`` default to the
-    architecture the server broadcast (pass your own where clients differ, for ensembles and
-    AMS). Other keyword arguments go to :func:`make_upload`. Sections are computed on the
-    models' device (:func:`make_upload`).
+    ``client_id`` defaults to the node id folded into the ids an upload may claim
+    (``node id % 2**30``: Flower's node ids are 64-bit; the server decides each upload's
+    client id from its node anyway, :mod:`fedfusion.flower.identity`);
+    ``model_name``/``model_kwargs`` default to the architecture the server broadcast (pass
+    your own where clients differ, for ensembles and AMS). Other keyword arguments go to
+    :func:`make_upload`. Sections are computed on the models' device (:func:`make_upload`).
     """
+    _not_an_aggregator_round(msg)
     sections, optional = requested_sections(msg)
     config = msg.content["config"] if "config" in msg.content else {}
     if model_name is None and MODEL_KEY in config:
@@ -259,7 +280,8 @@ def reply(
             model_kwargs = json.loads(str(config[MODEL_KWARGS_KEY]))
     upload = make_upload(
         models, x, y, sections, optional_sections=optional,
-        client_id=msg.metadata.dst_node_id if client_id is None else client_id,
+        client_id=(msg.metadata.dst_node_id % SERVER_ID_BASE if client_id is None
+                   else client_id),
         model_name=model_name, model_kwargs=model_kwargs, **kwargs)
     return Message(content=encode_upload(upload), reply_to=msg)
 

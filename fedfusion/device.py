@@ -42,22 +42,37 @@ def client_device(name: str, client_id: int | str) -> torch.device:
     if not CLIENT_DEVICE_PATTERN.fullmatch(name):
         raise ValueError(f"client {client_id}: device {name!r} must be 'auto', 'cpu', "
                          "'cuda' or 'cuda:<i>'")
-    if name == "auto":
+    device = present_device(name, f"client {client_id}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def present_device(name: str | torch.device, who: str) -> torch.device:
+    """``name`` as a device this process has: ``auto`` is CUDA when present, else the CPU;
+    another name must parse as a torch device, and a CUDA or MPS one must be there. Raises
+    ValueError naming ``who`` and the way out otherwise."""
+    if isinstance(name, str) and name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{who}: device {str(name)[:40]!r} is not a torch device ('auto', "
+                         "'cpu', 'cuda', 'cuda:<i>', 'mps', ...)") from exc
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise ValueError(
-                f"client {client_id}: device {name!r} but this process sees no CUDA "
-                "device (torch.cuda.is_available() is False: a CPU-only torch build, no "
-                "driver, or no GPU share given, e.g. client-resources-num-gpus=0 in a "
-                "simulation); use device 'auto' or 'cpu'")
+                f"{who}: device {str(name)!r} but this process sees no CUDA device "
+                "(torch.cuda.is_available() is False: a CPU-only torch build, no driver, or no "
+                "GPU share given, e.g. client-resources-num-gpus=0 in a simulation); use "
+                "device 'auto' or 'cpu'")
         if device.index is not None and device.index >= count:
-            raise ValueError(f"client {client_id}: device {name!r} but this process "
-                             f"sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            raise ValueError(f"{who}: device {str(name)!r} but this process sees {count} CUDA "
+                             f"device(s), cuda:0..cuda:{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{who}: device {str(name)!r} but this process has no MPS device; use "
+                         "device 'auto' or 'cpu'")
     return device
 
 

@@ -150,7 +150,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     if split is not None and split.val_overlap and settings.server_validation:
         log.warning("validation: %d distinct rows of the %d validation rows are also client data "
                     "(val-source='file')", split.val_overlap, len(bundle.val))
-    device = resolve_device(settings.server_device)
+    device = resolve_device(settings.server_device, "run-config server-device")
     if settings.server_threads:
         # small batched steps: with another process on a core, extra OpenMP threads wait on
         # each other (measured ~30x slower at 2 threads than 1 on a loaded 2-core machine)

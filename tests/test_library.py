@@ -4,6 +4,7 @@ their ClientApp, our strategies. Real Fashion-MNIST rows, a model not in the zoo
 from __future__ import annotations
 
 import inspect
+import random
 import re
 import subprocess
 import sys
@@ -137,6 +138,17 @@ def test_plain_python_upload_from_models_and_fuse(fmnist):
     regmean = evaluate(by_tuple, *fmnist["test"])["accuracy"]
     fedavg = evaluate(FedAvg(UserNet).fuse_uploads(uploads), *fmnist["test"])["accuracy"]
     assert regmean >= fedavg + 0.08, (regmean, fedavg)
+    # NumPy arrays (float64 inputs, labels as a list) give the same upload and scores
+    x, y = fmnist["client0"]
+    from_numpy = client.make_upload([model], x.double().numpy(), y.tolist(),
+                                    sections=["weights", "gram"], client_id=2)
+    from_tensors = client.make_upload([model], x, y, sections=["weights", "gram"], client_id=2)
+    for name, array in from_tensors.members[0]["gram"].items():  # the data's statistics
+        np.testing.assert_allclose(from_numpy.members[0]["gram"][name], array, rtol=1e-6)
+    assert from_numpy.metrics["class-histogram"] == from_tensors.metrics["class-histogram"]
+    x_test, y_test = fmnist["test"]
+    assert evaluate(by_tuple, x_test.numpy(), y_test.numpy()) == evaluate(by_tuple, x_test,
+                                                                          y_test)
 
 
 def test_members_default_is_member_zero_for_single_model_baselines(fmnist):
@@ -307,6 +319,28 @@ def test_documented_parameters_reads_the_section_not_the_prose():
                                           "bare": ""}
 
 
+def test_library_md_lists_every_strategy_and_client_helper():
+    text = (REPO / "docs" / "library.md").read_text()
+    table = text.split("## The public entry points")[1].split("\n## ")[0]
+    missing = [cls.__name__ for cls in STRATEGIES.values() if f"`{cls.__name__}`" not in table
+               and f".{cls.__name__}`" not in table]
+    missing += [name for name in client.__all__ if name not in table]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_arguments_library_md_calls_shared_are_every_strategys(name):
+    """docs/library.md's list of the arguments every strategy takes names real arguments
+    (it once listed ``members`` a day after the rename to ``member_fusion``)."""
+    text = (REPO / "docs" / "library.md").read_text()
+    bullet = text.split("- Arguments shared by every strategy")[1].split("\n- ")[0]
+    listed = re.findall(r"`([a-z_]+)`", bullet)
+    accepted = {arg for klass in STRATEGIES[name].__mro__ if "__init__" in vars(klass)
+                for arg in inspect.signature(klass.__init__).parameters}
+    assert len(listed) > 10
+    assert [arg for arg in listed if arg not in accepted] == []
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_documents_every_argument(name):
     """Every constructor argument of the strategy and its bases has an entry, with a
@@ -343,5 +377,7 @@ def test_the_readme_snippet_runs_as_written(fmnist):
                                                           trained.append(1))}
     exec(compile(snippet, "README.md", "exec"), namespace)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-    namespace["main"](LocalGrid(namespace["clients"], 5), context)
+    # node ids as Flower's SuperLink gives them: random 64-bit integers
+    node_ids = [random.Random(i).getrandbits(64) | 2**63 for i in range(5)]
+    namespace["main"](LocalGrid(namespace["clients"], 5, node_ids=node_ids), context)
     assert len(trained) == 15  # 5 clients x 3 members

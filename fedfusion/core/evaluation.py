@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.device import present_device
+
 ECE_BINS = 15
 
 
@@ -68,11 +70,11 @@ def as_labelled(data: LabelledData, what: str = "data") -> Labelled:
     return Labelled((x.float() if x.is_floating_point() else x).contiguous(), y.long())
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_device(name: str | torch.device = "auto", who: str = "the server"
+                   ) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU; another name must be a device this
+    process has (:func:`fedfusion.device.present_device`: ValueError naming ``who``)."""
+    return present_device(name, who)
 
 
 @torch.no_grad()
@@ -114,5 +116,8 @@ def evaluate(
     device: torch.device | str = "cpu",
     batch_size: int = 2000,
 ) -> dict[str, float]:
-    """Evaluate a predictor (model returning log-probs, ensemble, selector) on (x, y)."""
-    return classification_metrics(predict_log_probs(predictor, x, device, batch_size), y)
+    """Evaluate a predictor (model returning log-probs, ensemble, selector) on (x, y)
+    (tensors, NumPy arrays or lists: :func:`as_labelled`)."""
+    data = as_labelled((x, y), "evaluation data")
+    return classification_metrics(predict_log_probs(predictor, data.x, device, batch_size),
+                                  data.y)

@@ -247,7 +247,7 @@ class Fusion(ABC):
         if val_data is not None and len(val_data) and spec.model_fn is not None:
             # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
-        self.context = FusionContext(spec, resolve_device(device), val_data, seed)
+        self.context = FusionContext(spec, resolve_device(device, self.name), val_data, seed)
         AT_LEAST_ONE.check("num_members", num_members)
         AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
         FINITE_NON_NEGATIVE.check("init_perturbation", init_perturbation)
@@ -331,6 +331,14 @@ class Fusion(ABC):
             # a user's model_fn: its scores per input, not the validation labels (which may
             # lack the last class), say how many classes there are
             spec.num_classes = int(self.model_check["output_shape"][1])
+        if has_val and spec.num_classes and len(val_data.y):
+            labels = (int(val_data.y.min()), int(val_data.y.max()))
+            if labels[0] < 0 or labels[1] >= spec.num_classes:
+                raise ValueError(
+                    f"{self.name}: the validation labels run from {labels[0]} to {labels[1]}, "
+                    f"but model {spec.name!r} has {spec.num_classes} classes (0..."
+                    f"{spec.num_classes - 1}): give the model at least {labels[1] + 1} outputs, "
+                    "or relabel the data as 0..K-1")
         if {"float-inputs", "synthetic-distill"} & set(self.requirements) and not (
                 spec.input_shape and spec.num_classes):
             raise ValueError(

@@ -137,8 +137,8 @@ def _check_member(path: Path, i: int, spec: object, state: object,
         raise ValueError(f"{where}.kwargs must have string keys")
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated, whatever the spec says
-            expected = {k: tuple(v.shape) for k, v in ModelSpec.from_dict(spec, model_fn).build()
-                        .state_dict().items()}
+            expected = {k: (tuple(v.shape), v.dtype) for k, v in
+                        ModelSpec.from_dict(spec, model_fn).build().state_dict().items()}
     except Exception as exc:
         raise ValueError(f"{where}: model {spec['name']!r:.60} cannot be built: "
                          f"{type(exc).__name__}: {exc}") from exc
@@ -150,11 +150,15 @@ def _check_member(path: Path, i: int, spec: object, state: object,
     if missing or extra:
         raise ValueError(f"{path}: states[{i}] does not match specs[{i}]'s model: missing "
                          f"{missing[:8]}, unexpected {extra[:8]}")
-    for name, shape in expected.items():
+    for name, (shape, dtype) in expected.items():
         tensor = state[name]
-        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+        # float entries in any float precision; others (BatchNorm's int64 step count) as built
+        kind_ok = (tensor.is_floating_point() if dtype.is_floating_point
+                   else tensor.dtype == dtype)
+        if tuple(tensor.shape) != shape or not kind_ok:
+            wanted = "a float tensor" if dtype.is_floating_point else f"a {dtype} tensor"
             raise ValueError(f"{path}: states[{i}][{name!r}] is {tensor.dtype} "
-                             f"{tuple(tensor.shape)}, the model needs a float tensor {shape}")
+                             f"{tuple(tensor.shape)}, the model needs {wanted} {shape}")
         check_storage(f"{path}: states[{i}][{name!r}]", tensor)
 
 

@@ -6,7 +6,8 @@ For tests, notebooks and small experiments with your own ClientApp::
     strategy = FedBEns(Net, num_clients=5, num_members=3)
     strategy.start(grid)
 
-Node ``i`` has id ``100 + i`` and node config ``{"partition-id": i, "num-partitions": N}``
+Node ``i`` has id ``100 + i`` (or ``node_ids[i]``: Flower's own are random 64-bit integers) and
+node config ``{"partition-id": i, "num-partitions": N}``
 (plus ``node_configs[i]``); each keeps its own ``context.state`` across rounds, as Flower's
 SuperNodes do. Clients run one after another; the round ``timeout`` is honoured as on a real
 grid, where they work in parallel: each client gets ``timeout`` seconds of its own, and one
@@ -18,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -40,7 +41,7 @@ def ensure_task_identity() -> None:
 
 
 class LocalGrid(Grid):
-    """Nodes ``100 + i`` run ``client_app`` in this process.
+    """Nodes ``100 + i`` (or ``node_ids``) run ``client_app`` in this process.
 
     Parameters
     ----------
@@ -58,19 +59,26 @@ class LocalGrid(Grid):
         Node indices whose ClientApp raises (as a node that runs out of memory).
     delay : mapping, optional
         Per node index, seconds added to its work (a slow node).
+    node_ids : sequence of int, optional
+        The nodes' ids (default ``100 + i``), e.g. 64-bit ones as Flower's SuperLink gives.
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, *,
                  run_config: Mapping[str, Any] | None = None,
                  node_configs: Mapping[int, Mapping[str, Any]] | None = None,
                  tamper: Callable[[int, Message], Message] | None = None,
-                 crash: Iterable[int] = (), delay: Mapping[int, float] | None = None):
+                 crash: Iterable[int] = (), delay: Mapping[int, float] | None = None,
+                 node_ids: Sequence[int] | None = None):
         ensure_task_identity()
         self.client_app = client_app
         self.tamper = tamper
         self.crash = set(crash)
         self.delay = dict(delay or {})
-        self.node_ids = [100 + i for i in range(num_nodes)]
+        self.node_ids = (list(node_ids) if node_ids is not None
+                         else [100 + i for i in range(num_nodes)])
+        if len(self.node_ids) != num_nodes or len(set(self.node_ids)) != num_nodes:
+            raise ValueError(f"LocalGrid needs {num_nodes} distinct node ids, got "
+                             f"{self.node_ids[:8]}")
         node_configs = node_configs or {}
         self.contexts = {
             node: Context(run_id=1, node_id=node, state=RecordDict(),

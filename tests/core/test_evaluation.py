@@ -1,5 +1,7 @@
 import math
+import re
 
+import pytest
 import torch
 
 from fedfusion.core.evaluation import ECE_BINS, classification_metrics, evaluate
@@ -44,3 +46,32 @@ def test_ensemble_averages_probabilities_and_saves(tmp_path):
     assert torch.equal(loaded(x), ensemble(x))
     y = torch.randint(0, 3, (8,))
     assert evaluate(loaded, x, y) == evaluate(ensemble, x, y)
+
+
+def test_a_predictor_with_batchnorm_saves_and_loads(tmp_path):
+    """BatchNorm's int64 step count is kept as built; a float where the model has it, or an
+    int where the model wants a float, is refused."""
+    spec = ModelSpec("bn_cnn", (1, 28, 28), 10, {})
+    torch.manual_seed(2)
+    models = [spec.build() for _ in range(2)]
+    for model in models:  # running statistics away from their initial values
+        model.train()
+        model(torch.randn(16, 1, 28, 28))
+        model.eval()
+    ensemble = Ensemble(models, [spec] * 2)
+    path = save_predictor(ensemble, tmp_path / "bn.pt")
+    x = torch.randn(4, 1, 28, 28)
+    assert torch.equal(load_predictor(path)(x), ensemble(x))
+    payload = torch.load(path, weights_only=True)
+    name = next(k for k in payload["states"][0] if k.endswith("num_batches_tracked"))
+    for wrong in (payload["states"][0][name].float(),
+                  torch.zeros_like(payload["states"][0][name.replace("num_batches_tracked",
+                                                                     "running_mean")]).long()):
+        bad = dict(payload)
+        bad["states"] = [dict(payload["states"][0]), payload["states"][1]]
+        key = name if wrong.dtype == torch.float32 else name.replace("num_batches_tracked",
+                                                                     "running_mean")
+        bad["states"][0][key] = wrong
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match=f"states\\[0\\]\\['{re.escape(key)}'\\]"):
+            load_predictor(tmp_path / "bad.pt")

@@ -200,6 +200,28 @@ def test_the_dry_forward_refuses_a_model_that_does_not_run_on_its_inputs(model_f
     assert problem in str(refused.value)
 
 
+@pytest.mark.parametrize(("labels", "shown"), [(9, "from 0 to 9"), (-1, "from -1 to 2")])
+def test_validation_labels_the_model_has_no_score_for_are_refused(labels, shown):
+    """A plain ``model_fn`` with fewer outputs than the validation labels need (or a
+    negative label) is refused at construction, before any client trains; with enough
+    outputs it is taken (the labels may lack a class)."""
+    x = torch.randn(12, 64)
+    y = torch.arange(12) % 3
+    y[0] = labels
+    with pytest.raises(ValueError, match=f"validation labels run {shown}, but model "):
+        FedAvg(lambda: torch.nn.Linear(64, 5), val=(x, y))
+    FedAvg(lambda: torch.nn.Linear(64, 10), val=(x, y.clamp(min=0)))
+
+
+@pytest.mark.parametrize(("device", "problem"), [
+    ("gpu", "is not a torch device"),
+    *([] if torch.cuda.is_available() else [("cuda:1", "sees no CUDA device")]),
+    *([] if torch.backends.mps.is_available() else [("mps", "has no MPS device")])])
+def test_a_device_this_process_lacks_is_refused_at_construction(device, problem):
+    with pytest.raises(ValueError, match=f"fedavg: device '{device}' .*{problem}"):
+        FedAvg(lambda: torch.nn.Linear(4, 3), device=device)
+
+
 def test_the_check_leaves_the_rng_and_the_modes_alone():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5),
                                 torch.nn.Linear(8, 3)).train()

@@ -325,6 +325,19 @@ def _first_aggregator_message() -> Message:
     return sent[0]
 
 
+def test_a_clientapp_that_treats_an_aggregator_round_as_training_is_told_how_to_answer():
+    """A user's ClientApp without an aggregator-round branch calls the training helpers on
+    FENS' later rounds: they name the round and the helper that answers it."""
+    msg = _first_aggregator_message()
+    model = TinyNet()
+    for call in (lambda: client.initial_models(msg, TinyNet),
+                 lambda: client.reply(msg, [model], torch.randn(4, 1, 4, 4),
+                                      torch.zeros(4, dtype=torch.long))):
+        with pytest.raises(ValueError, match="one of FENS' aggregator rounds .* answer it "
+                                             "with fedfusion.client.aggregator_reply"):
+            call()
+
+
 @pytest.mark.parametrize("change, message", [
     ({"fens.hidden": 10**8}, "parameters, above the cap 67108864"),
     ({"fens.hidden": -5}, "needs num_models, num_classes >= 1 and hidden >= 0"),

@@ -87,9 +87,13 @@ def test_the_client_loads_the_broadcast_with_its_own_dtypes():
     from flwr.app import RecordDict
 
     [loaded] = client.initial_models(RecordDict(msg_content), BNNet)
+    template = BNNet()  # a template module, as the strategies take, is copied, not called
+    [from_template] = client.initial_models(RecordDict(msg_content), template)
+    assert from_template is not template
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
         assert loaded.state_dict()[name].dtype == tensor.dtype
+        assert torch.equal(from_template.state_dict()[name], tensor), name
 
 
 def test_the_layout_knows_parameters_buffers_and_linear_conv_layers():
