@@ -177,9 +177,10 @@ def make_upload(
         ``accelerate`` (None: ``FEDFUSION_ACCEL``, else off; :mod:`fedfusion.accel`);
         see :class:`fedfusion.sections.SectionOptions`.
     """
-    # NumPy arrays and lists too: as_labelled makes int64 labels and float32 inputs
-    data = as_labelled(x if y is None else (x, y), "client data")
-    x, y = data.x, data.y
+    if y is None or not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        # a pair, a DataLoader, NumPy arrays, lists: int64 labels, float32 inputs
+        data = as_labelled(x if y is None else (x, y), "client data")
+        x, y = data.x, data.y
     if not models:
         raise ValueError("make_upload needs at least one trained model")
     if len(y) == 0:  # no count to weight by, no curvature to fit

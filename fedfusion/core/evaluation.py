@@ -118,6 +118,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Evaluate a predictor (model returning log-probs, ensemble, selector) on (x, y)
     (tensors, NumPy arrays or lists: :func:`as_labelled`)."""
-    data = as_labelled((x, y), "evaluation data")
-    return classification_metrics(predict_log_probs(predictor, data.x, device, batch_size),
-                                  data.y)
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        data = as_labelled((x, y), "evaluation data")  # NumPy arrays, lists
+        x, y = data.x, data.y
+    return classification_metrics(predict_log_probs(predictor, x, device, batch_size), y)
