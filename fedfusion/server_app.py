@@ -41,9 +41,10 @@ from fedfusion.app.inprocess import InProcessGrid
 from fedfusion.app.output import output_folder, write_results
 from fedfusion.app.summary import print_histogram, print_summary
 from fedfusion.core.architecture import ModelSpec
-from fedfusion.core.evaluation import evaluate, resolve_device
+from fedfusion.core.evaluation import evaluate
 from fedfusion.core.predictors import save_predictor
 from fedfusion.datasets import load_dataset
+from fedfusion.device import present_device
 from fedfusion.strategies import FENS
 from fedfusion.upload_store import UploadWriter, load_uploads
 from fedfusion.wire import ClientUpload
@@ -150,7 +151,7 @@ def _run(settings: Settings, grid: Grid | None, uploads: list[ClientUpload] | No
     if split is not None and split.val_overlap and settings.server_validation:
         log.warning("validation: %d distinct rows of the %d validation rows are also client data "
                     "(val-source='file')", split.val_overlap, len(bundle.val))
-    device = resolve_device(settings.server_device, "run-config server-device")
+    device = present_device(settings.server_device, "run-config server-device")
     if settings.server_threads:
         # small batched steps: with another process on a core, extra OpenMP threads wait on
         # each other (measured ~30x slower at 2 threads than 1 on a loaded 2-core machine)

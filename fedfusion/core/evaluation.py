@@ -14,8 +14,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedfusion.device import present_device
-
 ECE_BINS = 15
 
 
@@ -68,13 +66,6 @@ def as_labelled(data: LabelledData, what: str = "data") -> Labelled:
     # float inputs in float32 (the networks' precision); integer inputs (token ids, indices)
     # and bool masks keep their dtype: the model's first layer (an Embedding, a mask) reads them
     return Labelled((x.float() if x.is_floating_point() else x).contiguous(), y.long())
-
-
-def resolve_device(name: str | torch.device = "auto", who: str = "the server"
-                   ) -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU; another name must be a device this
-    process has (:func:`fedfusion.device.present_device`: ValueError naming ``who``)."""
-    return present_device(name, who)
 
 
 @torch.no_grad()

@@ -40,13 +40,13 @@ from fedfusion.core.evaluation import (
     LabelledData,
     as_labelled,
     predict_log_probs,
-    resolve_device,
 )
 from fedfusion.core.model_check import REQUIREMENTS, Requirement, check_model
 from fedfusion.core.normalization import NORM_STATS, recalibrate, running_stat_layers
 from fedfusion.core.predictors import Ensemble
 from fedfusion.core.screening import capped_reason, chance_check, screen_uploads
 from fedfusion.core.state import state_arrays
+from fedfusion.device import present_device
 from fedfusion.distillation import DistillOptions, distil, pick_start
 from fedfusion.sections import SECTIONS, SectionTable
 from fedfusion.wire import (
@@ -247,7 +247,7 @@ class Fusion(ABC):
         if val_data is not None and len(val_data) and spec.model_fn is not None:
             # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
-        self.context = FusionContext(spec, resolve_device(device, self.name), val_data, seed)
+        self.context = FusionContext(spec, present_device(device, self.name), val_data, seed)
         AT_LEAST_ONE.check("num_members", num_members)
         AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
         FINITE_NON_NEGATIVE.check("init_perturbation", init_perturbation)
