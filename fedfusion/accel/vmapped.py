@@ -40,6 +40,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fedfusion import cuda_graphs
+
 log = logging.getLogger("fedfusion")
 
 #: the layers that draw random numbers in training mode (refused: vmap would need its own
@@ -89,7 +91,8 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
     if not supports(models):
         return None
     try:
-        return _train(models, x, y, epochs, lr, momentum, batch_size, seeds, cuda_graphs)
+        return _train(models, x, y, epochs, lr, momentum, batch_size, seeds,
+                      use_graphs=cuda_graphs)
     except RuntimeError as error:  # torch.OutOfMemoryError is one too
         log.warning("fedfusion: the %d members cannot train as one vmapped computation "
                     "(%s: %.200s); training them one by one", len(models),
@@ -99,7 +102,7 @@ def train_vmapped(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor,
 
 def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs: int,
            lr: float, momentum: float, batch_size: int, seeds: Sequence[int],
-           cuda_graphs: bool) -> tuple[float, list[float]]:
+           use_graphs: bool) -> tuple[float, list[float]]:
     device = next(models[0].parameters()).device  # one device: supports() checked
     template = models[0]
     members = [dict(m.named_parameters()) for m in models]
@@ -132,9 +135,8 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
     n = len(y)
     graphed = (_GraphedStep(step, [*weights.values(), *velocity.values()],
                             (len(models), batch_size), device)
-               if cuda_graphs and on_device and device.type == "cuda"
-               and epochs * (n // batch_size) >= _GraphedStep.MIN_FULL_STEPS
-               and not _GraphedStep.broken else None)
+               if use_graphs and on_device and _graphable(device)
+               and epochs * (n // batch_size) >= _GraphedStep.MIN_FULL_STEPS else None)
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     losses = torch.full((len(models),), float("nan"))
     template.train()
@@ -156,16 +158,20 @@ def _train(models: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, epochs
     return time.perf_counter() - start, final
 
 
+def _graphable(device: torch.device) -> bool:
+    """Whether steps on ``device`` can be replayed as CUDA graphs: a CUDA device, in a
+    process where no capture has failed."""
+    return device.type == "cuda" and not cuda_graphs.capture_failed()
+
+
 class _GraphedStep:
-    """A full-batch :func:`_train` step replayed as one CUDA graph. The step's one input is
-    the batch's row indices, copied into :attr:`index`; its state (``state``: the stacked
-    weights and momentum buffers, every tensor the step writes) is updated in place, so the
-    graph reads and writes the same memory as the eager step. Warm-up steps run eagerly on
-    the side stream the graph is captured on (CUDA graphs' recipe: lazy cuBLAS/cuDNN state
-    is set up outside the capture); the first replay is checked against the same step run
-    eagerly from the same state, and a capture that fails or disagrees leaves every later
-    step eager. A capture that fails is not tried again in this process (a broken capture
-    can leave the allocator's capture state behind)."""
+    """A full-batch :func:`_train` step replayed as one CUDA graph (:mod:`fedfusion.cuda_graphs`).
+    The step's one input is the batch's row indices, copied into :attr:`index`; its state
+    (``state``: the stacked weights and momentum buffers, every tensor the step writes) is
+    updated in place, so the graph reads and writes the same memory as the eager step.
+    Warm-up steps run eagerly on the side stream the graph is captured on; the first replay
+    is checked against the same step run eagerly from the same state, and a capture that
+    fails or disagrees leaves every later step eager."""
 
     #: eager steps before the capture (torch.cuda.graphs' recipe)
     WARMUP = 3
@@ -174,15 +180,13 @@ class _GraphedStep:
     MIN_FULL_STEPS = 16
     #: how far the first replay may be from the eager step, per tensor (the same kernels)
     RTOL, ATOL = 1e-4, 1e-5
-    #: a capture failed in this process
-    broken = False
 
     def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
                  state: Sequence[torch.Tensor], shape: tuple[int, int],
                  device: torch.device) -> None:
         self.step, self.state, self.device = step, state, device
         self.index = torch.zeros(shape, dtype=torch.long, device=device)
-        self.side = _side_stream(device)
+        self.side = cuda_graphs.side_stream(device)
         self.replay: Callable[[], torch.Tensor] | None = None
         self.warmups_left = self.WARMUP
         self.eager = False  # a capture failed or disagreed
@@ -197,27 +201,22 @@ class _GraphedStep:
         return self.replay()
 
     def _eager(self) -> torch.Tensor:
-        return on_side_stream(lambda: self.step(self.index), self.device, self.side)
+        return cuda_graphs.on_side_stream(lambda: self.step(self.index), self.device,
+                                          self.side)
 
     def _capture_and_check(self) -> torch.Tensor:
         before = [t.clone() for t in self.state]
-        try:
-            replay = capture(lambda: self.step(self.index), self.device, self.side)
-            losses = replay()
-        except RuntimeError as error:  # an operation that cannot be captured
-            log.warning("fedfusion: the vmapped training step cannot be captured as a CUDA "
-                        "graph (%.200s); steps stay eager in this process", error)
-            type(self).broken = True
+        replay = cuda_graphs.try_capture(lambda: self.step(self.index), self.device,
+                                         self.side, "the vmapped training step")
+        if replay is None:
             self._restore(before)  # a capture runs nothing; one copy makes sure of it
             self.eager = True
             return self._eager()
+        losses = replay()
         replayed = [t.clone() for t in self.state]
         self._restore(before)
         eager_losses = self._eager()
-        agree = all(torch.allclose(r, t, rtol=self.RTOL, atol=self.ATOL)
-                    for r, t in zip([*replayed, losses], [*self.state, eager_losses],
-                                    strict=True))
-        if agree:
+        if self._agree([*replayed, losses], [*self.state, eager_losses]):
             self.replay = replay
         else:
             log.warning("fedfusion: the vmapped training step's CUDA graph differs from its "
@@ -225,48 +224,12 @@ class _GraphedStep:
             self.eager = True
         return eager_losses
 
+    @classmethod
+    def _agree(cls, replayed: Sequence[torch.Tensor], eager: Sequence[torch.Tensor]) -> bool:
+        return all(torch.allclose(r, t, rtol=cls.RTOL, atol=cls.ATOL)
+                   for r, t in zip(replayed, eager, strict=True))
+
     def _restore(self, saved: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
             for t, value in zip(self.state, saved, strict=True):
                 t.copy_(value)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """One stream of its own for a step's warm-ups, capture and eager steps (None on other
-    devices, whose steps are never graphed)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def capture(work: Callable[[], torch.Tensor], device: torch.device,
-            stream: torch.cuda.Stream | None) -> Callable[[], torch.Tensor]:
-    """``work`` recorded (not run) as a CUDA graph on ``stream``; a function that replays it
-    and returns the tensor ``work`` returned, rewritten by each replay. Other threads' CUDA
-    work is left alone during the capture (``thread_local``), and the thread's current stream
-    is restored even when the capture fails."""
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream(device)
-    try:
-        with torch.cuda.device(device), torch.cuda.graph(graph, stream=stream,
-                                                         capture_error_mode="thread_local"):
-            output = work()
-    finally:
-        torch.cuda.set_stream(current)
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return output
-    return replay
-
-
-def on_side_stream(work: Callable[[], torch.Tensor], device: torch.device,
-                   side: torch.cuda.Stream | None) -> torch.Tensor:
-    """``work`` run eagerly on ``side`` that waits for, and is waited for by, the current
-    stream (how CUDA graphs' warm-ups must run); its output is marked as used there."""
-    with torch.cuda.device(device):
-        current = torch.cuda.current_stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            output = work()
-        current.wait_stream(side)
-    output.record_stream(current)
-    return output

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfusion import training
+from fedfusion import cuda_graphs, training
 from fedfusion.accel import vmapped
 from fedfusion.models import build_model
 from fedfusion.training import ProximalTerm, TrainConfig, train_local, train_members
@@ -181,9 +181,10 @@ def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, name, shap
     real_replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
                         lambda graph: replays.append(1) or real_replay(graph))
-    monkeypatch.setattr(vmapped._GraphedStep, "broken", False)
+    monkeypatch.setattr(cuda_graphs, "_failed", False)
     if disagree:
-        monkeypatch.setattr(vmapped._GraphedStep, "RTOL", -1.0)
+        monkeypatch.setattr(vmapped._GraphedStep, "_agree",
+                            staticmethod(lambda replayed, eager: False))
     graphed = _members(name, shape, kwargs, "cuda")
     eager = copy.deepcopy(graphed)
     with caplog.at_level("WARNING", logger="fedfusion"):
@@ -205,6 +206,7 @@ def test_on_a_gpu_graphed_steps_match_eager_ones(monkeypatch, caplog, name, shap
 #: (torch < 2.12), which would fail every later capture in the test session
 FAILING_CAPTURE = """
 import logging, torch
+from fedfusion import cuda_graphs
 from fedfusion.accel import vmapped
 logging.basicConfig(level=logging.WARNING)
 state = torch.zeros(3, device="cuda")
@@ -218,7 +220,7 @@ for batch in batches:
     graphed(batch)
 assert torch.equal(state.cpu(), sum(b.sum(1).float() for b in batches).cpu()), state
 assert torch.cuda.current_stream() == stream
-assert vmapped._GraphedStep.broken and graphed.eager
+assert cuda_graphs.capture_failed() and graphed.eager
 print("failed capture handled")
 """
 
@@ -265,9 +267,9 @@ def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture
             return out
         return replay
 
-    monkeypatch.setattr(vmapped, "capture", fake_capture)
-    monkeypatch.setattr(vmapped, "on_side_stream", lambda work, device, side: work())
-    monkeypatch.setattr(vmapped._GraphedStep, "broken", False)
+    monkeypatch.setattr(cuda_graphs, "capture", fake_capture)
+    monkeypatch.setattr(cuda_graphs, "on_side_stream", lambda work, device, side: work())
+    monkeypatch.setattr(cuda_graphs, "_failed", False)
     graphed = vmapped._GraphedStep(step, [state], (3, 2), torch.device("cpu"))
     batches = [torch.arange(6).reshape(3, 2) + 10 * b for b in range(7)]
     with caplog.at_level("WARNING", logger="fedfusion"):
@@ -278,4 +280,36 @@ def test_graphed_step_keeps_every_step_exactly_once(monkeypatch, caplog, capture
     steps_after_warmup = len(batches) - vmapped._GraphedStep.WARMUP
     assert len(replays) == {"replays": steps_after_warmup, "disagrees": 1}.get(capture, 0)
     assert bool(caplog.records) == (capture != "replays")
-    assert vmapped._GraphedStep.broken == capture.startswith("fails")
+    assert cuda_graphs.capture_failed() == capture.startswith("fails")
+
+
+def test_graphed_training_ends_where_eager_vmapped_training_ends(monkeypatch):
+    """:func:`train_vmapped`'s graph path, on the CPU with the CUDA calls faked (the capture
+    records without running; its replay runs the step): full batches replay the graph after
+    the warm-ups, partial batches run eagerly, and every member ends exactly where the eager
+    vmapped training ends it, with the same last losses."""
+    name, shape, kwargs = MODELS[0]
+    x, y = _data(shape, 200)  # 12 full batches of 16 an epoch, then 8 rows
+    replays: list[int] = []
+
+    def fake_capture(work, device, stream):
+        def replay():
+            replays.append(1)
+            return work()
+        return replay
+
+    monkeypatch.setattr(cuda_graphs, "capture", fake_capture)
+    monkeypatch.setattr(cuda_graphs, "on_side_stream", lambda work, device, side: work())
+    monkeypatch.setattr(vmapped, "_graphable", lambda device: True)
+    graphed = _members(name, shape, kwargs)
+    eager = copy.deepcopy(graphed)
+    _, losses = vmapped.train_vmapped(graphed, x, y, CONFIG.epochs, CONFIG.lr, CONFIG.momentum,
+                                      CONFIG.batch_size, SEEDS)
+    full_steps = CONFIG.epochs * (len(y) // CONFIG.batch_size)
+    # the capture's checked replay, then one replay per full step after it
+    assert len(replays) == full_steps - vmapped._GraphedStep.WARMUP
+    _, eager_losses = vmapped.train_vmapped(eager, x, y, CONFIG.epochs, CONFIG.lr,
+                                            CONFIG.momentum, CONFIG.batch_size, SEEDS,
+                                            cuda_graphs=False)
+    assert _max_difference(graphed, eager) == 0.0
+    assert losses == eager_losses

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 from conftest import InProcessGrid
 from helpers.tiny import TINY, stopping_federation, tiny_upload
 
+from fedfusion import cuda_graphs
 from fedfusion.core.predictors import ModelSpec
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedBEns
 from fedfusion.strategies.fedbens.objective import MixtureObjective, mixture_log_posterior
-from fedfusion.strategies.fedbens.server_optim import clip_per_run
+from fedfusion.strategies.fedbens.server_optim import ServerOptimiser, _GraphStepper, clip_per_run
 from fedfusion.wire import ClientUpload
 
 
@@ -124,6 +127,66 @@ def test_patience_stops_each_run_alone_and_the_others_go_on_exactly():
     for mode, other in zip(modes, in_batch, strict=True):
         for name in mode:
             torch.testing.assert_close(mode[name], other[name], rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("capture", ["replays", "fails"])
+def test_graph_steps_keep_the_eager_runs_exactly(monkeypatch, caplog, capture):
+    """The server's CUDA-graph stepper, on the CPU with the CUDA calls faked (a fake capture
+    records without running, as CUDA's does; its replay runs the step): warm-up, capture,
+    a capture again whenever the objective's active pairs change or stopped runs leave the
+    batch, and eager steps after a capture that fails. Whatever happens, each run ends
+    exactly where the eager steps end it, at the same step."""
+    replays: list[int] = []
+
+    def fake_capture(work, device, stream):
+        if capture == "fails":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        stepper = work.__self__
+        # what a real graph would read: the tensors of the capture, never newer ones
+        captured = [stepper.objective.pairs, stepper.optimizer, *stepper.w.values()]
+
+        def replay():
+            now = [stepper.objective.pairs, stepper.optimizer, *stepper.w.values()]
+            assert all(a is b for a, b in zip(now, captured, strict=True)), (
+                "a replay after the step's tensors changed")
+            # a captured backward writes the gradients that the capture allocated (they were
+            # None then), it does not add to them
+            replays.append(1)
+            stepper.optimizer.zero_grad(set_to_none=True)
+            return work()
+        return replay
+
+    uploads, strategy = stopping_federation()
+    eager = strategy()
+    stacked, owner = eager.build_posterior(uploads)
+    starts = eager.starting_points(uploads)
+    wanted = eager.optimise(starts, stacked, owner, 2)
+
+    monkeypatch.setattr(cuda_graphs, "capture", fake_capture)
+    monkeypatch.setattr(cuda_graphs, "on_side_stream", lambda work, device, side: work())
+    monkeypatch.setattr(cuda_graphs, "_failed", False)
+    monkeypatch.setattr(ServerOptimiser, "_stepper",  # the graph path, as on a GPU
+                        lambda self, objective, w, optimizer, graphs: _GraphStepper(
+                            objective, w, optimizer, self.clip, self.label))
+    graphed = strategy()
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        modes = graphed.optimise(starts, stacked, owner, 2)
+    warnings = [r.getMessage()[:48] for r in caplog.records if r.levelno >= logging.WARNING]
+    assert graphed.optimiser.run_stops == eager.optimiser.run_stops
+    if capture == "replays":
+        # one capture per batch of runs (runs stop at 3 different steps before the last),
+        # and one again after each change of the active pairs
+        assert graphed.optimiser.graph_captures == (len(set(eager.optimiser.run_stops))
+                                                    + graphed.mixture.set_changes) == 4
+        assert len(replays) > graphed.optimiser.stopped_at // 2
+        assert not warnings
+    else:
+        assert graphed.optimiser.graph_captures == 0 and not replays
+        assert warnings == ["fedfusion: the fedbens server step cannot be cap"]
+        assert cuda_graphs.capture_failed()
+    for mode, other in zip(modes, wanted, strict=True):
+        for name in mode:
+            torch.testing.assert_close(mode[name], other[name], rtol=1e-12, atol=1e-12)
 
 
 def test_pruned_and_full_mixture_give_the_same_modes():

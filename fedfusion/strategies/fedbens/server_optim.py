@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedfusion import cuda_graphs
 from fedfusion.core.evaluation import classification_metrics
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.normalization import recalibrate
@@ -296,21 +297,21 @@ class _EagerStepper:
 
 
 class _GraphStepper:
-    """A step replayed as one CUDA graph (objective, gradient, clip and optimiser step):
-    at the sizes of a FedBEns server an eager step is ~1,000 small kernels, bound by their
-    launches on the CPU, not by the GPU. The graph is captured after one eager step with the
-    objective's current tensors (warm-up: lazy state, cached factors) and captured again
-    whenever :meth:`GraphableObjective.prepare` says they changed. The objective at a scored
-    point is evaluated outside the graph, without gradient. A capture that fails leaves the
-    rest of the run eager (logged)."""
+    """A step replayed as one CUDA graph (objective, gradient, clip and optimiser step;
+    :mod:`fedfusion.cuda_graphs`): at the sizes of a FedBEns server an eager step is ~1,000
+    small kernels, bound by their launches on the CPU, not by the GPU. The graph is captured
+    after one eager step with the objective's current tensors (warm-up: lazy state, cached
+    factors) and captured again whenever :meth:`GraphableObjective.prepare` says they
+    changed. The objective at a scored point is evaluated outside the graph, without
+    gradient. A capture that fails leaves the rest of the run eager (logged)."""
 
     def __init__(self, objective: GraphableObjective, w: dict[str, torch.Tensor],
                  optimizer: torch.optim.Optimizer, clip: float | None, label: str) -> None:
         self.objective, self.w, self.optimizer, self.clip = objective, w, optimizer, clip
         self.label = label
         self.device = next(iter(w.values())).device
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_value: torch.Tensor | None = None
+        self.side = cuda_graphs.side_stream(self.device)
+        self.replay: Callable[[], torch.Tensor] | None = None
         self.warm = False
         self.eager = False  # a capture failed: every later step is eager
         self.captures = 0
@@ -318,7 +319,7 @@ class _GraphStepper:
     def value(self, scoring: bool) -> torch.Tensor | None:
         """Prepare the step; the objective at the current point when scoring, else None."""
         if self.objective.prepare(self.w):
-            self.graph, self.graph_value, self.warm = None, None, False
+            self.replay, self.warm = None, False
         if not scoring:
             return None
         with torch.no_grad():
@@ -326,42 +327,28 @@ class _GraphStepper:
 
     def step(self) -> torch.Tensor:
         """One ascent step; returns the objective at the point it started from."""
-        if self.graph is None and (self.eager or not self.warm):
+        if self.replay is None and (self.eager or not self.warm
+                                    or cuda_graphs.capture_failed()):
             self.warm = True
             return self._eager_step()
-        if self.graph is None:
-            try:
-                self._capture()
-            except RuntimeError as exc:  # an operation that cannot be captured
-                log.warning("[%s] CUDA graph capture failed, steps stay eager: %s",
-                            self.label, exc)
-                self.eager, self.graph, self.graph_value = True, None, None
+        if self.replay is None:
+            self.optimizer.zero_grad(set_to_none=True)  # gradients then live in the graph's pool
+            self.replay = cuda_graphs.try_capture(self._ascend, self.device, self.side,
+                                                  f"the {self.label} server step")
+            if self.replay is None:
+                self.eager = True
                 return self._eager_step()
-        assert self.graph is not None and self.graph_value is not None
-        self.graph.replay()
-        return self.graph_value
+            self.captures += 1
+        return self.replay()
 
     def _eager_step(self) -> torch.Tensor:
-        # on a side stream, as CUDA graph warm-ups must be (torch.cuda.graphs' recipe)
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                self.optimizer.zero_grad(set_to_none=True)
-                value = self.objective.evaluate(self.w)
-                _ascend(value, self.w, self.optimizer, self.clip)
-            current.wait_stream(side)
-        return value.detach()
+        self.optimizer.zero_grad(set_to_none=True)
+        return cuda_graphs.on_side_stream(self._ascend, self.device, self.side)
 
-    def _capture(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)  # gradients then live in the graph's pool
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph):
-            value = self.objective.evaluate(self.w)
-            _ascend(value, self.w, self.optimizer, self.clip)
-        self.graph, self.graph_value = graph, value.detach()
-        self.captures += 1
+    def _ascend(self) -> torch.Tensor:
+        value = self.objective.evaluate(self.w)
+        _ascend(value, self.w, self.optimizer, self.clip)
+        return value.detach()
 
 
 def _ascend(value: torch.Tensor, w: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
