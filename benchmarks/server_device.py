@@ -17,7 +17,8 @@ CUDA graphs (the default) and eager. ``--defaults`` adds each device with the li
 defaults (clustered starts, each run stopping once its score stalls); ``--profile``
 ``torch.profiler``'s table of 20 optimiser steps at the largest C on the GPU.
 
-    python benchmarks/server_device.py [--cells 5,40,100] [--workers N] [--defaults] [--profile]
+    python benchmarks/server_device.py [--cells 5,40,100] [--workers N] [--defaults]
+        [--variants "cpu defaults,gpu defaults"] [--profile]
 
 Prints a table and saves ``benchmarks/results/server_device.json``. Without a CUDA device it
 measures the CPU alone and says so.
@@ -51,6 +52,8 @@ UPLOADS = REPO / "outputs" / "bench-scale" / "c100_m5_s0" / "uploads"
 #: the upload set's run config (benchmarks/scale.py's "c100_m5_s0")
 #: the paper's algorithm: median starts, every run all its steps
 PAPER_SERVER = {"fedbens-starts": "median", "server-patience": 0}
+#: the fusions a cell can run (``--variants``)
+VARIANTS = ("cpu", "gpu", "gpu eager", "cpu defaults", "gpu defaults")
 RUN_CONFIG = {"strategy": "fedbens", "hessian-structure": "kron", "alpha": 0.3, "seed": 0,
               "num-clients": 100, "num-members": 5, **PAPER_SERVER}
 
@@ -145,19 +148,19 @@ def profile_steps(settings: Settings, spec: ModelSpec, split: Any,
             f"{profiled.table}")
 
 
-def print_table(rows: list[dict[str, Any]], cells: list[int]) -> None:
-    """Fuse and optimisation seconds per variant, the speed-up over the CPU, accuracy."""
-    labels = list(dict.fromkeys(r["variant"] for r in rows))
-    width = 2 + max(len(label) for label in labels) + 2  # "<label> s" and a gap
-    print(f"\n{'C':>5}" + "".join(f"{label + ' s':>{width}}" for label in labels)
-          + "".join(f"{label + ' x':>{width}}" for label in labels[1:])
-          + "".join(f"{label + ' %':>{width}}" for label in labels))
-    for clients in cells:
-        cell = {r["variant"]: r for r in rows if r["clients"] == clients}
-        cpu = cell["cpu"]["fuse_s"]
-        print(f"{clients:>5}" + "".join(f"{cell[v]['fuse_s']:>{width}.2f}" for v in labels)
-              + "".join(f"{cpu / cell[v]['fuse_s']:>{width - 1}.1f}x" for v in labels[1:])
-              + "".join(f"{100 * cell[v]['test_accuracy']:>{width}.2f}" for v in labels))
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Per cell and variant: fuse seconds, the speed-up over the CPU with the same algorithm
+    (``cpu`` for ``gpu`` and ``gpu eager``, ``cpu defaults`` for ``gpu defaults``), test
+    accuracy."""
+    width = max(len(r["variant"]) for r in rows) + 2
+    print(f"\n{'C':>5}  {'variant':<{width}}{'fuse s':>9}{'vs CPU':>9}{'accuracy %':>12}")
+    for row in rows:
+        cpu = next((r for r in rows if r["clients"] == row["clients"]
+                    and r["variant"] == "cpu" + row["variant"].partition(" defaults")[1]),
+                   None)
+        ratio = f"{cpu['fuse_s'] / row['fuse_s']:.1f}x" if cpu else "-"
+        print(f"{row['clients']:>5}  {row['variant']:<{width}}{row['fuse_s']:>9.2f}"
+              f"{ratio:>9}{100 * row['test_accuracy']:>12.2f}")
     if not any(r["device"] == "cuda" for r in rows):
         print("no CUDA device: the GPU is not measured")
 
@@ -175,8 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults", action="store_true",
                         help="also fuse with the library's defaults (clustered starts, "
                              "per-run early stop) on each device")
+    parser.add_argument("--variants", help="only these variants, comma-separated (of: "
+                        + ", ".join(VARIANTS) + "; those of a device absent here are skipped)")
     parser.add_argument("--train-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    wanted = [v.strip() for v in args.variants.split(",")] if args.variants else None
+    if wanted and set(wanted) - set(VARIANTS):
+        parser.error(f"--variants: unknown {sorted(set(wanted) - set(VARIANTS))}; the "
+                     f"variants are {', '.join(VARIANTS)}")
     if args.train_part:
         part, parts = map(int, args.train_part.split(","))
         train_part(part, parts, args.out, train_config(args))
@@ -201,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("cpu", "cpu", {})] + ([("gpu", "cuda", {}), ("gpu eager", "cuda",
                                                              {"server_cuda_graphs": False})]
                                        if "cuda" in devices else [])
-    if args.defaults:  # clustered starts, each run stopping on its own
+    if args.defaults or any(v.endswith("defaults") for v in wanted or []):
+        # clustered starts, each run stopping on its own
         defaults = {"fedbens_starts": Settings.fedbens_starts,
                     "server_patience": Settings.server_patience}
         variants += [(f"{label} defaults", device, defaults)
                      for label, device in (("cpu", "cpu"), ("gpu", "cuda")) if device in devices]
+    if wanted:
+        variants = [v for v in variants if v[0] in wanted]
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     print(f"devices: {devices}; CPU threads {threads}"
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile and "cuda" in devices) else None
     if profile:
         print(profile)
-    print_table(rows, cells)
+    print_table(rows)
     save(profile)
     print(f"saved {RESULTS}")
     return 0

@@ -4,9 +4,11 @@
 # (the second reuses what the first installed and unpacked):
 #   check.sh clients   carry .device/clients   GPU tests; FedBEns ours vs the authors' code
 #                                              on one card (benchmarks/gpu_end_to_end.py)
-#   check.sh scale     carry .device/scale     C = 100, M = 5 through flwr run with the clients
-#                                              on the card (scale.py gpu); the server on CPU vs
-#                                              GPU at C = 100 (server_device.py; CELLS)
+#   check.sh scale     carry .device/scale     the server on CPU vs GPU at C = 100 with the
+#                                              defaults (server_device.py; CELLS, VARIANTS);
+#                                              SCALE_RUN=1 first runs C = 100, M = 5 through flwr
+#                                              run with the clients on the card (scale.py gpu;
+#                                              done on 2026-11-28), whose uploads it then fuses
 # Logs and JSON go to $OUT, which the device tool brings back; copy the JSON into
 # benchmarks/results/ here. IMAGE_PYTHON (default python3: the image's, holding torch) is left
 # as it is: the wheels go into a venv of ours that sees the image's packages behind its own.
@@ -84,14 +86,17 @@ num-clients=3 num-members=2 local-epochs=1 train-subset=1200 output-dir='outputs
 run-name=c3\"); print('dry run:', r['status'], r['test']['accuracy'])" \
       > "$OUT/scale-gpu.log" 2>&1 || failed+=" dry-run"
     quiet < "$OUT/scale-gpu.log" | tail -5
-  else
+  elif [ "${SCALE_RUN:-0}" = 1 ]; then
     uploads=outputs/bench-scale/c100_m5_s0_gpu/uploads cells=${CELLS:-100}
     $PY benchmarks/scale.py gpu > "$OUT/scale-gpu.log" 2>&1 && cp benchmarks/results/scale.json \
       "$OUT/" || failed+=" scale-gpu"
     quiet < "$OUT/scale-gpu.log" | tail -30
+  else  # the server trains the same C = 100 set itself, with 15 processes (no Ray, faster)
+    uploads=outputs/none cells=${CELLS:-100}
   fi
   rm -f benchmarks/results/server_device.json  # only a fresh one goes back (saved row by row)
-  timeout 300 $PY benchmarks/server_device.py --cells $cells --defaults --uploads $uploads \
+  timeout 300 $PY benchmarks/server_device.py --cells $cells --uploads $uploads \
+    --variants "${VARIANTS:-cpu defaults,gpu defaults}" \
     > "$OUT/server-device.log" 2>&1 || failed+=" server_device"
   cp benchmarks/results/server_device.json "$OUT/" 2>/dev/null
   tail -30 "$OUT/server-device.log"
