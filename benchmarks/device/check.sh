@@ -14,7 +14,7 @@
 # as it is: the wheels go into a venv of ours that sees the image's packages behind its own.
 # DRY_RUN=1 tries the same set-up on a machine without a GPU: one local epoch on the CPU, a
 # 3-client flwr run instead of the C = 100 one, the server at C = 3 on the CPU alone.
-# DEADLINE_S (default 420) bounds the side-by-side runs of 'clients' (gpu_end_to_end.py
+# DEADLINE_S (default 500) bounds the side-by-side runs of 'clients' (gpu_end_to_end.py
 # --deadline-s: none starts past it, one still running at it is stopped and recorded as
 # unfinished). ALPHAS (default 0.1,0.4): the side-by-side cells; CELLS (default 100): the server's client
 # counts (5 and 40 were measured on 2026-11-26/28; the C = 100 row with the defaults never
@@ -64,11 +64,11 @@ clients)
     tests/app/test_client_device.py tests/strategies/test_server_gpu.py > "$OUT/gpu-tests.log" \
     2>&1 || failed+=" gpu-tests"
   tail -4 "$OUT/gpu-tests.log"
-  dry=(); [ "${DRY_RUN:-0}" = 1 ] && dry=(--cpu --epochs 1 --alphas 0.1)
+  dry=() alphas=${ALPHAS:-0.1,0.4}
+  [ "${DRY_RUN:-0}" = 1 ] && dry=(--cpu --epochs 1) alphas=${ALPHAS:-0.1}
   $PY benchmarks/gpu_end_to_end.py "${dry[@]}" --authors-code .device/clients/authors/One_shot_FL \
     --data-dir $FMNIST_DIR --splits .device/clients/data/fedbens-authors-splits.npz \
-    --authors-site /tmp/authors-site --deadline-s "${DEADLINE_S:-420}" \
-    --alphas "${ALPHAS:-0.1,0.4}" \
+    --authors-site /tmp/authors-site --deadline-s "${DEADLINE_S:-500}" --alphas "$alphas" \
     --json "$OUT/gpu_end_to_end.json" \
     > "$OUT/gpu_end_to_end.log" 2>&1 || failed+=" gpu_end_to_end"
   quiet < "$OUT/gpu_end_to_end.log" | tail -40
@@ -76,9 +76,11 @@ clients)
 scale)
   $PY -c "import flwr, laplace" 2>/dev/null || install_clients
   [ -f $FMNIST_DIR/train-images-idx3-ubyte ] || install_clients
-  site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/scale/wheels/*.whl || exit 1
-  tar xJf .device/scale/ray-slim.tar.xz -C "$site" || exit 1
+  if [ "${DRY_RUN:-0}" = 1 ] || [ "${SCALE_RUN:-0}" = 1 ]; then  # flwr run's Ray simulation
+    site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/scale/wheels/*.whl || exit 1
+    tar xJf .device/scale/ray-slim.tar.xz -C "$site" || exit 1
+  fi
   if [ "${DRY_RUN:-0}" = 1 ]; then
     uploads=outputs/device-dry-run/c3/uploads cells=3
     $PY -c "from fedfusion.app.launch import launch; r = launch(\"strategy=fedbens \

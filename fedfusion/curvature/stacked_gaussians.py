@@ -409,6 +409,8 @@ class StackedKron(StackedGaussians):
         kept = sum(t.numel() * t.element_size() for _, factors in gathered for t in factors)
         if kept <= max(self.max_chunk_bytes, MAX_PAIR_CACHE_BYTES):
             self._pair_cache[name] = (comps.clone(), gathered, comps, comps._version)
+        else:  # a stale entry would be compared on the device at every later step
+            self._pair_cache.pop(name, None)
         return gathered
 
     def pair_quadratic_form(

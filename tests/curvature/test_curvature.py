@@ -19,6 +19,7 @@ from fedfusion.curvature import (
     StackedGaussians,
     curvature_from_arrays,
     fit_curvature,
+    stacked_gaussians,
 )
 from fedfusion.curvature.fit import fit_laplace, kron_from_laplace, last_layer_block
 from fedfusion.models import build_model
@@ -402,6 +403,40 @@ def test_pair_log_densities_equal_the_full_grid(structure, members, curvatures) 
     runs, comps = torch.tensor([2, 0, 1, 2]), torch.tensor([3, 1, 1, 0])
     torch.testing.assert_close(stacked.log_density_pairs(w, runs, comps), full[runs, comps],
                                rtol=1e-12, atol=1e-9)
+
+
+def test_pairs_too_many_to_cache_leave_no_stale_entry(members, curvatures, monkeypatch) -> None:
+    """Kron factors gathered per pair are cached for the next call with the same pairs while
+    they fit; a pair list over the cap drops the older entry, so no later call compares its
+    pairs with a stale list (a comparison on the device waits for the queued work, and fails
+    inside a CUDA graph's capture). The densities stay exact either way."""
+    means = [dict(m.named_parameters()) for m in members]
+    stacked = StackedGaussians.from_members(means, curvatures["kron"], "cpu", max_chunk_bytes=1)
+
+    def size(name: str, comps: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size()
+                   for _, factors in stacked._gathered(name, comps) for t in factors)
+
+    big = max(stacked.layers, key=lambda name: size(name, torch.tensor([0])))
+    monkeypatch.setattr(stacked_gaussians, "MAX_PAIR_CACHE_BYTES",
+                        3 * size(big, torch.tensor([0])))
+    comparisons = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: comparisons.append(1) or real_equal(a, b))
+    w = points(members[0], 3, 0.05, seed=11)
+    full = stacked.log_density(w)
+    few = (torch.tensor([0, 1]), torch.tensor([3, 1]))
+    many = (torch.tensor([2, 0, 1, 2]), torch.tensor([3, 1, 1, 0]))
+    for runs, comps in (few, many, few, many):
+        torch.testing.assert_close(stacked.log_density_pairs(w, runs, comps), full[runs, comps],
+                                   rtol=1e-12, atol=1e-9)
+    stacked._gathered(big, few[1])
+    assert big in stacked._pair_cache  # 2 pairs fit
+    stacked._gathered(big, many[1])
+    assert big not in stacked._pair_cache  # 4 pairs do not, and the 2 pairs' entry is gone
+    comparisons.clear()
+    stacked._gathered(big, many[1].clone())
+    assert comparisons == []  # nothing compared with a stale list
 
 
 def test_pruned_mixture_objective_is_exact_up_to_the_dropped_weight(members, curvatures) -> None:
