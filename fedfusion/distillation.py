@@ -80,6 +80,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.constraints import FINITE_POSITIVE, Constraint
+from fedfusion.seeding import seeded
 
 log = logging.getLogger("fedfusion")
 
@@ -263,9 +264,7 @@ def distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOpt
         raise ValueError("distill='val' distils on the server's validation inputs, but there "
                          "is no validation set: pass val=(x, y) or use distill='synthetic'")
     device = torch.device(device)
-    forked = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=forked), _frozen(teacher):
-        torch.manual_seed(options.seed)
+    with seeded(options.seed, device), _frozen(teacher):
         shape = tuple(val.x.shape[1:]) if has_val else tuple(input_shape or ())
         if options.mode == "synthetic" and has_val and not val.x.is_floating_point():
             raise ValueError(NO_SYNTHETIC_REASON.format(dtype=val.x.dtype))

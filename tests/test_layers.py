@@ -114,8 +114,8 @@ def test_the_library_never_imports_the_app():
 
 
 #: the library modules below accel that it may use (the loss terms it refuses, the CUDA graphs
-#: it shares with FedBEns' server)
-ACCEL_USES = {"fedfusion.loss_terms", "fedfusion.cuda_graphs"}
+#: it shares with FedBEns' server, seeded RNGs)
+ACCEL_USES = {"fedfusion.loss_terms", "fedfusion.cuda_graphs", "fedfusion.seeding"}
 
 
 def test_native_code_is_imported_only_on_request():

@@ -1,6 +1,7 @@
 """Library calls leave the caller's process as they found it: torch's, numpy's and Python's
-global RNGs, torch's default dtype and thread count, the logging configuration and ASDL's
-classes."""
+global RNGs (a GPU's too: no call reseeds one it does not run on, as ``torch.manual_seed``
+would, even queued for a GPU not yet started), torch's default dtype and thread count, the
+logging configuration and ASDL's classes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from torch import nn
 
 from fedfusion import LocalGrid, client
 from fedfusion.strategies import (
+    FENS,
+    CoBoosting,
     Dense,
     FedAvg,
     FedBEns,
@@ -45,6 +48,18 @@ def lenet() -> nn.Module:  # the stacked engine's favourite: bias-free conv chai
                          nn.Flatten(), nn.Linear(6 * 12 * 12, 10, bias=False))
 
 
+#: the seeds given to a GPU's generators during the current test (:func:`gpu_seeds`)
+GPU_SEEDS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def gpu_seeds(monkeypatch) -> None:
+    """Records every (re)seeding of the GPUs' generators, which the CPU cannot otherwise see."""
+    GPU_SEEDS.clear()
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", GPU_SEEDS.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", GPU_SEEDS.append)
+
+
 def process_state() -> dict[str, Any]:
     from asdl.operations.conv import Conv2d
 
@@ -58,6 +73,7 @@ def process_state() -> dict[str, Any]:
         "logging": (root.level, list(root.handlers), ours.level, list(ours.handlers),
                     ours.propagate),
         "asdl": {k: Conv2d.__dict__[k] for k in ("cov_kron_A", "cov_kron_B")},
+        "gpu_seeds": list(GPU_SEEDS),
     }
 
 
@@ -65,7 +81,7 @@ def assert_unchanged(before: dict[str, Any], what: str) -> None:
     after = process_state()
     assert torch.equal(before["torch_rng"], after["torch_rng"]), f"{what}: torch's global RNG"
     assert np.array_equal(before["numpy_rng"], after["numpy_rng"]), f"{what}: numpy's RNG"
-    for key in ("python_rng", "default_dtype", "threads", "logging", "asdl"):
+    for key in ("python_rng", "default_dtype", "threads", "logging", "asdl", "gpu_seeds"):
         assert before[key] == after[key], f"{what}: {key} changed"
 
 
@@ -108,9 +124,23 @@ def test_start_and_fuse_uploads_leave_the_process_alone(data):
     for strategy in (FedAvg(BNNet), RegMean(BNNet, val=data["val"]),
                      FedFisher(BNNet, steps=5), OTFusion(BNNet),
                      Dense(BNNet, epochs=1, val=data["val"]),
+                     CoBoosting(BNNet, epochs=1, val=data["val"]),
+                     FENS(BNNet, val=data["val"]),
                      StatisticalWeightAggregation(BNNet)):
         before = process_state()
         predictor = strategy.fuse_uploads(fedbens.uploads)
         assert_unchanged(before, f"{type(strategy).__name__}.fuse_uploads")
         with torch.no_grad():
             assert torch.isfinite(predictor(data["test"][0][:8])).all()
+
+
+def test_seeded_draws_what_manual_seed_draws_and_restores_the_caller():
+    from fedfusion.seeding import seeded
+
+    torch.manual_seed(3)
+    wanted = torch.rand(4)
+    before = process_state()
+    with seeded(3):
+        drawn = torch.rand(4)
+    assert torch.equal(drawn, wanted)
+    assert_unchanged(before, "seeded")

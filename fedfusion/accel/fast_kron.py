@@ -37,6 +37,7 @@ from fedfusion.accel.stacked import (
     compile_members,
     trace_stages,
 )
+from fedfusion.seeding import seeded
 
 #: int64 draws laplace-torch 0.3's ``fit`` (a DataLoader iterator's base seed, twice) takes
 #: from the global RNG before ASDL's first label draw (checked by the tests)
@@ -63,9 +64,7 @@ def kron_mc_factors(model: nn.Module, x: torch.Tensor, seed: int | None,
         return None
     for layer in net.layers:
         layer.weight_grads = False
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if seed is not None:
-            torch.manual_seed(seed)
+    with seeded(seed), torch.no_grad():
         for _ in range(_DRAWS_BEFORE_FIRST_BATCH):
             torch.empty((), dtype=torch.int64).random_()
         sums = _accumulate(net, x, batch_size)

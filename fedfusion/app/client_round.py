@@ -49,6 +49,7 @@ from fedfusion.flower.train_config import (
     ROUND_KEY,
     SECTIONS_KEY,
 )
+from fedfusion.seeding import seeded
 from fedfusion.strategies.fens import HOLDOUT_KEY
 from fedfusion.strategies.requirements import ALL_REQUIREMENTS
 from fedfusion.training import LossTerm, TrainConfig, train_members
@@ -106,8 +107,7 @@ def member_models(settings: Settings, spec: ModelSpec, msg: Message, client_id: 
         models = []
     checked = bool(models)  # initial_models checked what it loaded
     for m in range(len(models), settings.num_members):
-        with torch.random.fork_rng(devices=[]):  # the init is seeded, the process is not
-            torch.manual_seed(member_seed(settings, client_id, m, server_round))
+        with seeded(member_seed(settings, client_id, m, server_round)):  # not the process
             models.append(spec.build())
     if not checked and models:
         check_received(models[0], config, x[:DRY_ROWS], spec.name, checks=ALL_REQUIREMENTS)

@@ -49,6 +49,7 @@ from fedfusion.core.state import state_arrays
 from fedfusion.device import present_device
 from fedfusion.distillation import DistillOptions, distil, pick_start
 from fedfusion.sections import SECTIONS, SectionTable
+from fedfusion.seeding import seeded
 from fedfusion.wire import (
     DEFAULT_LIMITS,
     WEIGHTS,
@@ -419,8 +420,7 @@ class Fusion(ABC):
         spec = self.context.model_spec
         same = [u for u in uploads if spec.same_architecture(u.model, u.model_kwargs)]
         candidates: list[tuple[str, nn.Module]] = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.context.seed)
+        with seeded(self.context.seed):
             if same:
                 candidates.append(("fedavg", spec.build(weighted_average(
                     [u.weights(0) for u in same], [u.num_examples for u in same]))))
@@ -630,9 +630,8 @@ class Fusion(ABC):
         models: list[NumpyDict] = []
         # a module's constructor draws from the global RNG: seeded inside a forked state, so
         # the caller's RNG is left as it was
-        with torch.random.fork_rng(devices=[]):
-            for m in range(self.num_members):
-                torch.manual_seed(self.context.seed * 7919 + m)
+        for m in range(self.num_members):
+            with seeded(self.context.seed * 7919 + m):
                 if self.init_perturbation and m > 0:
                     models.append({k: (v + self.init_perturbation * torch.randn(
                         v.shape, dtype=torch.float64).numpy()).astype(v.dtype)

@@ -69,6 +69,7 @@ from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_laye
 from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
 from fedfusion.device import model_device
+from fedfusion.seeding import seeded
 
 log = logging.getLogger("fedfusion")
 
@@ -202,10 +203,7 @@ def fit_laplace(
     laplace_kwargs.setdefault("subset_of_weights", "all")
     # laplace-torch moves each batch to the model's device; its MC draws happen there
     device = model_device(model)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        if seed is not None:
-            torch.manual_seed(seed)
+    with seeded(seed, device):
         return _laplace(
             model,
             loader,

@@ -115,6 +115,7 @@ from fedfusion.core.normalization import running_stat_layers
 from fedfusion.core.predictors import Ensemble
 from fedfusion.core.state import weighted_average
 from fedfusion.flower.strategy import FusionStrategy
+from fedfusion.seeding import seeded
 from fedfusion.synthesis import (
     FALLBACK_RANGE,
     Generator,
@@ -315,8 +316,7 @@ adv_mask, eval_fraction
         members = [m for upload in uploads for m in self.context.member_models(upload)]
         self.stats_term_used = self.resolve_stats_term(members)
         self.teacher = self.make_teacher(members, self.stats_term_used == "bn").to(device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.context.seed)
+        with seeded(self.context.seed):
             low, high = self.channel_range()
             self.generator = Generator(self.latent_dim, spec.input_shape, spec.num_classes,
                                        self.generator_width, low, high).to(device).train()
