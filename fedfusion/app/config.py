@@ -715,7 +715,7 @@ class Settings:
     fens_patience: int = knob(
         10,
         doc=("FENS: stop once the validation score has not improved in this many rounds (`0` = "
-             "never)"),
+             "never; without a validation set every round runs)"),
         valid=">= 0 **[start]**",
         strategy=(("fens", "patience"),))
     fens_server_optimizer: str = knob(

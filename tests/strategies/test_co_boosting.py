@@ -135,8 +135,7 @@ def test_reweighting_is_a_hand_computed_signed_step_and_stays_on_the_simplex():
     # many steps: the mixture pi = w / sum(w) stays on the simplex, and the CE goes down
     for _ in range(50):
         w, last = reweight_step(member_logits, y, w, 0.01)
-    pi = w / w.sum()
-    assert pi.min() >= 0 and abs(float(pi.sum()) - 1) < 1e-12
+    assert w.min() >= 0 and w.max() <= 1 and w.sum() > 0  # pi = w / sum(w) stays defined
     assert last < ce
 
 
@@ -219,19 +218,26 @@ def test_distillation_is_deterministic_given_the_seed_and_leaves_the_global_rng(
         CoBoosting(TINY, perturbation="pgd")
 
 
+#: how far above client 0's model (a lazy answer of the same uploads) the student must be:
+#: DENSE's student on this split (57.0%) stays under it
+CLIENT0_MARGIN = 0.03
+
 
 def test_fmnist_federation_beats_the_fedavg_of_the_same_uploads(fmnist_split, one_thread):
     """The shared 3-client real FMNIST split (conftest.fmnist_split, replayed) into 40
     Co-Boosting iterations (generator lr 5e-3, batch 128: a short run): the distilled student,
-    one network, must beat FedAvg of the same uploads (its start, the lazy answer) by 3
-    points. Measured: 60.0% against FedAvg 50.9% (DENSE's test: 57.0% at batch 256; the
-    uniform ensemble it distils: 64.2%)."""
+    one network, must beat FedAvg of the same uploads (its start, the lazy answer) and
+    client 0's model by 3 points. Measured: 59.7% against FedAvg 50.9% and client 0 55.4%
+    (DENSE's test: 57.0% at batch 256; the uniform ensemble it distils: 64.2%)."""
     results = fmnist_split.replay("co-boosting", dense_epochs=40, dense_g_lr=0.005,
                                   dense_batch_size=128)
     fedavg = fmnist_split.replay("fedavg")
-    print(results["test"], fedavg["test"], results["strategy_report"]["client_weights"])
+    client0 = fmnist_split.replay("ensemble", replay_clients="0")
+    print(results["test"], fedavg["test"], client0["test"],
+          results["strategy_report"]["client_weights"])
     assert results["status"] == "ok"
     assert results["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.03
+    assert results["test"]["accuracy"] >= client0["test"]["accuracy"] + CLIENT0_MARGIN
     student = load_predictor(f"{results['output_dir']}/predictor.pt")
     assert len(student.members) == 1  # one network, not the ensemble it distils
     report = results["strategy_report"]

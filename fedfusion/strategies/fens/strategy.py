@@ -12,7 +12,8 @@ per-class product of the models, plus FENS' shallow network over the concatenate
 when ``hidden > 0``) by local SGD and a server step
 (:mod:`fedfusion.strategies.fens.training`). g starts as the uniform ensemble (the mean of
 the models' probabilities); the server scores it on its validation set after every round and keeps
-the best, stopping after ``patience`` rounds without improvement (or ``rounds`` in all).
+the best, stopping after ``patience`` rounds without improvement (or ``rounds`` in all;
+without a validation set every round runs and the last aggregator is kept).
 Prediction: softmax(g(z(x))), one forward pass of every uploaded model.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -48,6 +50,7 @@ from fedfusion.flower.strategy import FusionResult, FusionStrategy
 from fedfusion.flower.train_config import MODEL_KEY, MODEL_KWARGS_KEY, ROUND_KEY
 from fedfusion.reasons import describe
 from fedfusion.sections import MAX_ABS_WEIGHT
+from fedfusion.seeding import seeded
 from fedfusion.strategies.fedbens import FedBEns
 from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
 from fedfusion.strategies.fens.training import (
@@ -89,7 +92,8 @@ class FENS(FusionStrategy):
     rounds : int, default 100
         At most this many aggregator rounds.
     patience : int, default 10
-        Stop once the validation score has not improved in this many rounds (0: never).
+        Stop once the validation score has not improved in this many rounds (0: never;
+        without a validation set every one of ``rounds`` runs).
     server_optimizer : {"fedadam", "fedavg"}, default "fedadam"
         The server's step on the aggregator.
     server_lr : float, default 0.05
@@ -161,11 +165,16 @@ class FENS(FusionStrategy):
         for upload in uploads if self.fedbens is None else ():
             models += self.context.member_models(upload)
             specs += [self.context.spec_for(upload)] * upload.num_members
-        # a user's model_fn without a validation set: the classes from the clients' histograms
-        num_classes = self.context.model_spec.num_classes or len(
-            uploads[0].metrics.get("class-histogram", []))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.context.seed)
+        # a model_fn that no dry forward could size (no input shape, no validation set): the
+        # classes from the clients' histograms (one per model output), the median length so
+        # that no single client decides it
+        num_classes = self.context.model_spec.num_classes or statistics.median_low(
+            len(u.metrics.get("class-histogram", [])) for u in uploads)
+        if num_classes < 1:
+            raise ValueError("fens: the number of classes is unknown (no validation set, no "
+                             "input shape, no class histograms): give the model spec "
+                             "num_classes or pass val=(x, y)")
+        with seeded(self.context.seed):
             self.aggregator = LogitAggregator(len(models), num_classes, self.hidden)
         self._val_features = None
         return AggregatedEnsemble(models, specs, self.aggregator)
@@ -212,6 +221,7 @@ class FENS(FusionStrategy):
         best_state = _clone(self.aggregator.state_dict())
         self.trace = [{"round": 0, **best}]
         self.best_round, stale, used = 0, 0, 0
+        trained = [name for name, _ in self.aggregator.named_parameters()]
         log.info("[fens] training the aggregator (%d models, hidden %d) with %d client(s): at "
                  "most %d rounds, patience %d", len(models), self.hidden, len(nodes),
                  self.rounds, self.patience)
@@ -232,14 +242,17 @@ class FENS(FusionStrategy):
             replies = grid.send_and_receive(messages, timeout=self.round_timeout)
             client_states, weights = self._collect(1 + used, replies, messages, state,
                                                    state_bytes)
-            new_state = self.server_optimizer.step(state, client_states, weights)
+            # the clients train the parameters; the buffers (the temperature) stay the server's
+            new_state = {**state, **self.server_optimizer.step(
+                {k: state[k] for k in trained}, [{k: c[k] for k in trained}
+                                                 for c in client_states], weights)}
             self.aggregator.load_state_dict(new_state)
             score = self._score()
             self.trace.append({"round": used, "clients": len(client_states),
                                "rows": int(sum(weights)), **score})
             if score and self._better(score, best):
                 best, best_state, self.best_round, stale = score, _clone(new_state), used, 0
-            else:
+            elif score:  # without validation nothing is stale: every round runs
                 stale += 1
             if score:
                 log.info("[fens] round %d: %d client(s), validation accuracy %.4f, NLL %.4f",
@@ -252,6 +265,8 @@ class FENS(FusionStrategy):
         if best:  # with validation: the best round's aggregator, else the last one
             self.aggregator.load_state_dict(best_state)
             self.calibrate()
+        else:
+            self.best_round = used
         self.aggregator_seconds += time.perf_counter() - start
         if self.distill_options.mode != "none":
             self.distill_teacher, self.predictor = self.predictor, self._distil(self.predictor,
@@ -313,6 +328,7 @@ class FENS(FusionStrategy):
             if reply.has_error():
                 self.exclude(server_round, node, node=node, reason="client error: "
                              f"{parse_client_error(reply.error.reason)}")
+                self._served.discard(node)  # a restarted node lost its features: resend
                 continue
             try:
                 client_state = decode_aggregator(
