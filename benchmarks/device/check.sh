@@ -44,8 +44,10 @@ install_clients() {  # our wheels into our venv; the authors' pins apart; the da
   [ -d .device/clients ] || { echo "no .device/clients here: run 'check.sh clients' (carry" \
     ".device/clients) on this machine first"; exit 2; }
   make_venv
-  $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/clients/wheels/ours/*.whl \
-    || exit 1
+  # --ignore-installed: into our venv even where the image (or a dry run's) has them, so that
+  # their scripts (flwr) are ours too
+  $PY -m pip install -q --no-index --no-deps --no-cache-dir --ignore-installed \
+    .device/clients/wheels/ours/*.whl || exit 1
   $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target \
     /tmp/authors-site .device/clients/wheels/authors/*.whl || exit 1
   mkdir -p $FMNIST_DIR && tar xJf .device/clients/data/fmnist.tar.xz -C $FMNIST_DIR
@@ -77,11 +79,12 @@ clients)
   quiet < "$OUT/gpu_end_to_end.log" | tail -40
   ;;
 scale)
-  $PY -c "import flwr, laplace" 2>/dev/null || install_clients
+  [ -x $VENV/bin/flwr ] || install_clients
   [ -f $FMNIST_DIR/train-images-idx3-ubyte ] || install_clients
   if [ "${DRY_RUN:-0}" = 1 ] || [ "${SCALE_RUN:-0}" = 1 ]; then  # flwr run's Ray simulation
     site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    $PY -m pip install -q --no-index --no-deps --no-cache-dir .device/scale/wheels/*.whl || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-cache-dir --ignore-installed \
+      .device/scale/wheels/*.whl || exit 1
     tar xJf .device/scale/ray-slim.tar.xz -C "$site" || exit 1
   fi
   if [ "${DRY_RUN:-0}" = 1 ]; then
