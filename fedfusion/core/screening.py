@@ -19,7 +19,9 @@ One client's share of a sample-weighted average is then at most k / (k + C - 1) 
 clients of equal honest counts (4 honest + 1 claiming 1e9 at k = 3: 3/7 = 43% instead of
 100%), and no client is capped unless it claims more than k times the median of the others.
 The class histogram is no cross-check on its own: validation already requires it to sum to
-``num_examples``, and a client that lies about one can lie about both.
+``num_examples``, and a client that lies about one can lie about both. A capped client's
+``class-histogram`` metric is scaled to its capped count (largest remainders), so that
+strategies weighting by class (PFNM's output layer) see the same cap.
 
 **Weight norms** (:func:`screen_weight_norms`). For every floating entry p of the ``weights``
 section (parameters and running statistics) and client c with members m:
@@ -56,8 +58,10 @@ with H the layer's matrix (a Kron block: tr(B (x) A) = (sum l_B)(sum l_A); a dia
 sum h; a ``diag_full`` block: tr H_L; a Gram: tr G, :func:`section_scales`) and n'_c the
 count capped among the clients kept by the weight and validation screens (so a claim of
 1e9 examples cannot dilute a trace at the cap). The trace bounds the largest eigenvalue,
-so a client that concentrates its precision in one direction is caught like one that
-spreads it. The same rule as the weights then applies with f = ``curvature_screen_factor``
+but per layer only: a client may put an honest-sized trace on a few entries or one
+direction (a diagonal Fisher on 8 weights, a rank-1 Gram) and so pull those entries of a
+Fisher merge or RegMean to its own values without passing any factor. The same rule as
+the weights then applies with f = ``curvature_screen_factor``
 (floor NORM_FLOOR per diagonal entry; values at or below it carry no scale and count
 neither in the median nor as holding the layer: on data of one class a client's curvature
 vanishes, about 1e-12 per example, and a median of such clients made the one client that
@@ -161,11 +165,27 @@ def cap_num_examples(uploads: Sequence[ClientUpload], factor: float
         if i not in medians:
             out.append(upload)
             continue
-        out.append(dataclasses.replace(upload, num_examples=counts[i]))
+        metrics = dict(upload.metrics)
+        if isinstance(metrics.get("class-histogram"), list):
+            metrics["class-histogram"] = scaled_histogram(metrics["class-histogram"], counts[i])
+        out.append(dataclasses.replace(upload, num_examples=counts[i], metrics=metrics))
         records.append({"client_id": upload.client_id, "node_id": upload.node_id,
                         "claimed": claims[i], "capped_to": counts[i],
                         "median_of_others": medians[i], "factor": factor})
     return out, records
+
+
+def scaled_histogram(histogram: Sequence[float], total: int) -> list[int]:
+    """``histogram`` scaled to sum to ``total`` (ints; the largest remainders round up, ties to
+    the lower class); an empty or all-zero one is returned as it is."""
+    values = np.asarray(histogram, dtype=np.float64)
+    if not len(values) or not values.sum() > 0:
+        return [int(v) for v in histogram]
+    exact = values * (total / values.sum())
+    scaled = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - scaled), kind="stable")[:total - int(scaled.sum())]
+    scaled[order] += 1
+    return [int(v) for v in scaled]
 
 
 def capped_counts(claims: Sequence[int], factor: float) -> tuple[list[int], dict[int, float]]:

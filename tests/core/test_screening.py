@@ -34,6 +34,7 @@ from fedfusion.core.screening import (
     cap_num_examples,
     chance_level,
     chance_margin,
+    scaled_histogram,
     screen_weight_norms,
 )
 from fedfusion.sections import MAX_ABS_WEIGHT
@@ -380,6 +381,22 @@ def test_the_count_cap_equals_its_definition(claims, factor):
     assert [r["client_id"] for r in records] == [c for c, (n, e) in enumerate(
         zip(claims, expected, strict=True)) if n != e]
     assert [u.num_examples for u in uploads] == claims  # inputs untouched
+
+
+def test_a_capped_count_scales_its_class_histogram():
+    """PFNM weights its output layer by the class histograms: a capped client's histogram is
+    scaled to its capped count, so a claim of 2e8 examples per class weighs as the cap says
+    (3 x the others' median here: half of each class against 3 honest clients), not 99.9999%."""
+    honest = [ClientUpload(c, "Tiny", {}, 500, [], {"class-histogram": [100] * 5})
+              for c in range(3)]
+    liar = ClientUpload(3, "Tiny", {}, 10**9, [], {"class-histogram": [2 * 10**8] * 5})
+    capped, records = cap_num_examples([*honest, liar], 3.0)
+    assert [r["client_id"] for r in records] == [3]
+    assert capped[3].num_examples == 1500 and capped[3].metrics["class-histogram"] == [300] * 5
+    assert capped[:3] == honest and liar.metrics["class-histogram"] == [2 * 10**8] * 5
+    assert scaled_histogram([1, 1, 1], 4) == [2, 1, 1]
+    assert scaled_histogram([7, 0, 3], 5) == [4, 0, 1]  # 3.5 and 1.5: the tie to class 0
+    assert scaled_histogram([0, 0], 3) == [0, 0]
 
 
 def test_a_count_cap_factor_near_floats_range_caps_nothing():
