@@ -1,6 +1,8 @@
 """SWA: hand-computable weights, normalisation layers and buffers, FedAvg equivalences,
 multi-round on real FMNIST, the CIFAR CNN path on generated data, and its run-config keys."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -62,7 +64,10 @@ def test_hand_built_two_clients_hos():
     np.testing.assert_allclose(fused.ravel(), 0.0, atol=1e-6)
 
 
-def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores():
+@pytest.mark.parametrize("weighted_by_key", ["num-examples", "data-size"])
+def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores(weighted_by_key):
+    """Size weighting multiplies by each client's weight: its example count, or the metric
+    ``weighted_by_key`` names (here 100 and 300 while both claim 200 examples)."""
     a = np.array([0, 0, 0, 0, 0, 0, 0, 8, 1, 0, 0, 0, 2, 0, 0, 0], dtype=np.float64)
     b = np.array([0, 1, 0, 2, 0, 3, 0, 4, 0, 0, 1, 0, 0, 0, 0, 9], dtype=np.float64)
     brute = []
@@ -70,8 +75,12 @@ def test_hand_built_two_clients_with_size_weighting_and_brute_force_scores():
         z = (x - x.mean()) / x.std(ddof=1)
         brute.append(abs(stats.kstat(z, 3) * stats.kstat(z, 4)))
     strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos",
-                                            size_weighting=True)
-    fused = _fuse(strategy, [_tiny_upload(0, a, examples=100), _tiny_upload(1, b, examples=300)])
+                                            size_weighting=True, weighted_by_key=weighted_by_key)
+    uploads = [_tiny_upload(0, a, examples=100), _tiny_upload(1, b, examples=300)]
+    if weighted_by_key != "num-examples":
+        uploads = [dataclasses.replace(u, num_examples=200, metrics={weighted_by_key: n})
+                   for u, n in zip(uploads, (100, 300), strict=True)]
+    fused = _fuse(strategy, uploads)
     weights = np.array([brute[0] * 100, brute[1] * 300]) / (brute[0] * 100 + brute[1] * 300)
     np.testing.assert_allclose(strategy.report()["gd"]["net.1.weight"], brute, rtol=1e-9)
     np.testing.assert_allclose(fused.ravel(), weights[0] * a + weights[1] * b, rtol=1e-5,
