@@ -245,6 +245,7 @@ class RegMean(FusionStrategy):
             predictor = Ensemble([spec.build(s) for s in states], [spec] * num_members)
             entry: dict[str, Any] = {"alpha": alpha, "ridged_layers": ridges}
             if val is not None:
+                self._apply_norm_stats(predictor)  # scored with the statistics it will keep
                 metrics = evaluate(predictor, val.x, val.y, self.context.device)
                 entry["val_accuracy"] = metrics["accuracy"]
                 entry["val_nll"] = metrics["nll"]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.core.evaluation import evaluate
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.predictors import ModelSpec
 from fedfusion.core.state import weighted_average
@@ -447,3 +448,25 @@ def test_gram_layers_cover_every_weight_of_the_zoo():
         model = spec.build()
         weights = {k for k in model.state_dict() if k.endswith("weight")}
         assert set(gram_layers(model)) == weights
+
+
+def test_alpha_is_chosen_with_the_batchnorm_statistics_the_fused_model_keeps():
+    """With norm_stats="recalibrate" each candidate alpha is scored after its BatchNorm
+    statistics are re-estimated on the validation inputs, as the chosen model keeps them:
+    the chosen alpha's reported validation accuracy is the final predictor's."""
+    spec = ModelSpec("BNCNN", (1, 6, 6), 3, model_fn=BNCNN)
+    clients = [norm_client(spec, c, 40) for c in range(2)]
+    torch.manual_seed(11)
+    x = torch.randn(90, 1, 6, 6) + 0.15
+    with torch.no_grad():
+        y = clients[1][1](x).argmax(1)
+    strategy = RegMean(spec, val=ImageData(x, y), num_clients=2, alphas=(0.0, 0.5, 1.0),
+                       norm_stats="recalibrate")
+    predictor = strategy.fuse_uploads([u for u, _, _ in clients])
+    report = strategy.report()
+    chosen = next(e for e in report["alphas"] if e["alpha"] == report["chosen_alpha"])
+    final = evaluate(predictor, x, y)
+    assert strategy.recalibrated_layers == 2
+    assert chosen["val_accuracy"] == pytest.approx(final["accuracy"], abs=1e-12)
+    assert chosen["val_nll"] == pytest.approx(final["nll"], rel=1e-6)
+
