@@ -188,6 +188,17 @@ def scaled_histogram(histogram: Sequence[float], total: int) -> list[int]:
     return [int(v) for v in scaled]
 
 
+def capped_weights(weights: Sequence[float], factor: float) -> list[float]:
+    """The count cap's rule for a real-valued client weight (a ``weighted_by_key`` metric):
+    w'_c = min(w_c, k m_{-c}), m_{-c} the median of the others' (k = ``factor``; 0 or a
+    lone client: no cap)."""
+    FINITE_NON_NEGATIVE.check("the num_examples cap factor", factor)
+    if not factor or len(weights) < 2:
+        return list(weights)
+    return [min(w, factor * float(np.median(list(weights[:i]) + list(weights[i + 1:]))))
+            for i, w in enumerate(weights)]
+
+
 def capped_counts(claims: Sequence[int], factor: float) -> tuple[list[int], dict[int, float]]:
     """n'_c = min(n_c, max(1, floor(k m_{-c}))) for every claim (k = ``factor``; 0 or a lone
     claim: no cap), and the median of the others m_{-c} of each capped index c."""

@@ -12,6 +12,7 @@ client, or per parameter one weight per client (layer-wise averaging).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +21,12 @@ from torch import nn
 
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.predictors import Ensemble
+from fedfusion.core.screening import capped_weights
 from fedfusion.core.state import weighted_average
 from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.wire import ClientUpload, NumpyDict, UploadError
+
+log = logging.getLogger("fedfusion")
 
 
 #: one weight per client, or per parameter name one weight per client
@@ -62,10 +66,25 @@ class FedAvg(FusionStrategy):
                               f"{value!r}")
         return float(value)
 
+    def client_weights(self, holders: Sequence[ClientUpload]) -> list[float]:
+        """Each holder's :meth:`client_weight`; a metric other than the example count (which
+        the screens already capped) is capped by the same rule: at ``num_examples_cap`` x
+        the median of the other holders' (:func:`~fedfusion.core.screening.capped_weights`)."""
+        weights = [self.client_weight(u) for u in holders]
+        if self.weighted_by_key == "num-examples":
+            return weights
+        capped = capped_weights(weights, self.num_examples_cap)
+        for upload, weight, kept in zip(holders, weights, capped, strict=True):
+            if kept < weight:
+                log.warning("[%s] client %d: metric %r = %.4g is above %g x the others' "
+                            "median; weighted as %.4g", self.name, upload.client_id,
+                            self.weighted_by_key, weight, self.num_examples_cap, kept)
+        return capped
+
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
         """The fused weights of member ``member`` from the clients that uploaded it."""
         return weighted_average([u.weights(member) for u in holders],
-                                [self.client_weight(u) for u in holders])
+                                self.client_weights(holders))
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         num_members = max(u.num_members for u in uploads)

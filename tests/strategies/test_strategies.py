@@ -44,6 +44,23 @@ def test_fedavg_by_a_metric_excludes_a_client_without_a_usable_weight(bad):
         np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_fedavg_by_a_metric_caps_it_as_counts_are_capped():
+    """A weighted_by_key metric is capped like a claimed count: at num_examples_cap (3) x
+    the median of the others', so a client claiming 1e9 against two of weight 1 weighs 3."""
+    uploads = [make_upload(i, members=1, seed=i) for i in range(3)]
+    for upload, weight in zip(uploads, (1.0, 1.0, 1e9), strict=True):
+        upload.metrics["my-weight"] = weight
+    strategy = FedAvg(SPEC, num_clients=3, weighted_by_key="my-weight", screen_factor=0)
+    assert strategy.client_weights(uploads) == [1.0, 1.0, 3.0]
+    fused = strategy.fuse_uploads(uploads).members[0].state_dict()
+    for name in fused:
+        expected = (uploads[0].weights(0)[name] + uploads[1].weights(0)[name]
+                    + 3 * uploads[2].weights(0)[name]) / 5
+        np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
+    uncapped = FedAvg(SPEC, num_clients=3, weighted_by_key="my-weight", num_examples_cap=0)
+    assert uncapped.client_weights(uploads) == [1.0, 1.0, 1e9]
+
+
 def test_fedavg_of_identical_clients_is_that_client():
     upload = make_upload(members=1)
     predictor = FedAvg(SPEC, num_clients=2).fuse([upload, upload])

@@ -174,7 +174,7 @@ class StatisticalWeightAggregation(FedAvg):
         """``Gd_{n,l}`` of every parameter and the weights ``a_{n,l}`` of every state-dict
         entry (a buffer: its layer's; see the module docstring) of member ``member``."""
         arrays = [u.weights(member) for u in holders]
-        sizes = [self.client_weight(u) for u in holders] if self.size_weighting else None
+        sizes = self.client_weights(holders) if self.size_weighting else None
         owners = self.buffer_layers()
         scores = gaussianity_scores(arrays, self.distance, self.context.seed,
                                     [n for n in arrays[0] if n not in owners])
