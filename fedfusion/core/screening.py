@@ -195,8 +195,14 @@ def capped_weights(weights: Sequence[float], factor: float) -> list[float]:
     FINITE_NON_NEGATIVE.check("the num_examples cap factor", factor)
     if not factor or len(weights) < 2:
         return list(weights)
-    return [min(w, factor * float(np.median(list(weights[:i]) + list(weights[i + 1:]))))
-            for i, w in enumerate(weights)]
+    return [min(w, factor * median) for w, median in zip(weights, _others_medians(weights),
+                                                          strict=True)]
+
+
+def _others_medians(values: Sequence[float]) -> list[float]:
+    """m_{-c}: for every value, the median of the others."""
+    return [float(np.median(list(values[:i]) + list(values[i + 1:])))
+            for i in range(len(values))]
 
 
 def capped_counts(claims: Sequence[int], factor: float) -> tuple[list[int], dict[int, float]]:
@@ -206,8 +212,7 @@ def capped_counts(claims: Sequence[int], factor: float) -> tuple[list[int], dict
     counts, medians = list(claims), {}
     if not factor or len(claims) < 2:
         return counts, medians
-    for i, claim in enumerate(claims):
-        median = float(np.median(list(claims[:i]) + list(claims[i + 1:])))
+    for i, (claim, median) in enumerate(zip(claims, _others_medians(claims), strict=True)):
         if claim > factor * median:  # compared as floats: factor may be huge
             counts[i], medians[i] = max(1, math.floor(factor * median)), median
     return counts, medians

@@ -333,7 +333,7 @@ class _GraphStepper:
             return self._eager_step()
         if self.replay is None:
             self.optimizer.zero_grad(set_to_none=True)  # gradients then live in the graph's pool
-            self.replay = cuda_graphs.try_capture(self._ascend, self.device, self.side,
+            self.replay = cuda_graphs.try_capture(self._ascent_step, self.device, self.side,
                                                   f"the {self.label} server step")
             if self.replay is None:
                 self.eager = True
@@ -343,9 +343,9 @@ class _GraphStepper:
 
     def _eager_step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        return cuda_graphs.on_side_stream(self._ascend, self.device, self.side)
+        return cuda_graphs.on_side_stream(self._ascent_step, self.device, self.side)
 
-    def _ascend(self) -> torch.Tensor:
+    def _ascent_step(self) -> torch.Tensor:
         value = self.objective.evaluate(self.w)
         _ascend(value, self.w, self.optimizer, self.clip)
         return value.detach()
