@@ -127,12 +127,14 @@ TARGETS: tuple[Target, ...] = (
     Target("swa", ("fedavg", "client0"), (
         "tests/strategies/test_swa.py::test_hand_built_two_clients_hos",
         "tests/strategies/test_swa.py::test_one_shot_swa_and_its_replay",
+        "tests/strategies/test_swa.py::test_multi_round_swa_improves_on_real_fmnist",
         "tests/strategies/test_swa.py::test_identical_clients_fuse_to_that_client",
         *family_cells("swa"), *transformer_cells("swa"))),
     Target("ams", ("fedavg", "ensemble", "client0"), (
         "tests/strategies/test_ams.py::test_top1_picks_the_highest_max_logit_not_the_most_confident_softmax",
         "tests/strategies/test_ams.py::test_top_k_matches_a_per_sample_brute_force",
         "tests/strategies/test_ams.py::test_cross_architecture_ams_runs_end_to_end",
+        "tests/strategies/test_ams.py::test_replay_reproduces_ams_and_feeds_ams_full_and_the_ensemble",
         LIBRARY_FEDBENS, *family_cells("ams"), *transformer_cells("ams"))),
     Target("pfnm", ("fedavg", "client0"), (
         "tests/strategies/test_pfnm.py::test_a_model_matched_with_its_permuted_copy_is_the_model",
