@@ -40,7 +40,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,6 @@ from fedfusion.strategies import (  # noqa: E402
     PFNM,
     AdaptiveModelSelection,
     FedAvg,
-    FusionContext,
     FusionStrategy,
     UniformEnsemble,
 )
@@ -71,13 +70,13 @@ SUBSET, EPOCHS = 20_000, 15
 ALPHAS = [5.0 ** -4, 5.0 ** -3, 5.0 ** -2, 5.0 ** -1, 1.0]
 CLIENTS = [5, 10, 20]
 
-#: method -> strategy factory (context, number of clients)
-METHODS: dict[str, Callable[[FusionContext, int], FusionStrategy]] = {
-    "ensemble": lambda ctx, n: UniformEnsemble(ctx, n),
-    "fedavg": lambda ctx, n: FedAvg(ctx, n),
-    "pfnm": lambda ctx, n: PFNM(ctx, n),
-    "ams-full": lambda ctx, n: AdaptiveModelSelection(ctx, n, top_k=0),
-    "ams-top1": lambda ctx, n: AdaptiveModelSelection(ctx, n, top_k=1),
+#: method -> strategy (its constructor's options beside the model, clients and seed)
+METHODS: dict[str, tuple[type[FusionStrategy], dict[str, Any]]] = {
+    "ensemble": (UniformEnsemble, {}),
+    "fedavg": (FedAvg, {}),
+    "pfnm": (PFNM, {}),
+    "ams-full": (AdaptiveModelSelection, {"top_k": 0}),
+    "ams-top1": (AdaptiveModelSelection, {"top_k": 1}),
 }
 CROSS_METHODS = ("ensemble", "ams-full", "ams-top1")
 LABELS = {"ensemble": "ensemble", "fedavg": "FedAvg", "pfnm": "PFNM", "ams-full": "AMS-full",
@@ -111,6 +110,12 @@ def federation(settings: Settings, folder: Path, fresh: bool) -> tuple[list, flo
     return uploads, sum(float(u.metrics["train-time-s"]) for u in uploads)
 
 
+def member_models(spec: ModelSpec, upload: Any) -> list:
+    """The upload's members, each built on its own architecture."""
+    variant = spec.variant(upload.model, upload.model_kwargs)
+    return [variant.build(member["weights"]) for member in upload.members]
+
+
 def evaluate_methods(settings: Settings, uploads: list, methods: Sequence[str]
                      ) -> dict[str, Any]:
     bundle = federated_split(settings).bundle
@@ -118,8 +123,8 @@ def evaluate_methods(settings: Settings, uploads: list, methods: Sequence[str]
                      settings.parsed_model_kwargs())
     row: dict[str, Any] = {}
     for method in methods:
-        strategy = METHODS[method](FusionContext(spec, seed=settings.seed),
-                                   settings.num_clients)
+        kind, options = METHODS[method]
+        strategy = kind(spec, num_clients=settings.num_clients, seed=settings.seed, **options)
         start = time.perf_counter()
         predictor = strategy.fuse_uploads(uploads)
         fuse_s = time.perf_counter() - start
@@ -129,7 +134,7 @@ def evaluate_methods(settings: Settings, uploads: list, methods: Sequence[str]
             row[method]["global_hidden_sizes"] = (
                 strategy.report()["members"][0]["global_hidden_sizes"])
     clients = [evaluate(m, bundle.test.x, bundle.test.y)["accuracy"]
-               for u in uploads for m in FusionContext(spec).member_models(u)]
+               for u in uploads for m in member_models(spec, u)]
     row["client_mean_acc"] = float(np.mean(clients))
     return row
 

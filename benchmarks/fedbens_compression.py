@@ -23,7 +23,6 @@ from fedfusion.app.config import Settings  # noqa: E402
 from fedfusion.core.predictors import ModelSpec  # noqa: E402
 from fedfusion.curvature import KronCurvature  # noqa: E402
 from fedfusion.server_app import run_server  # noqa: E402
-from fedfusion.strategies import FusionContext  # noqa: E402
 from fedfusion.upload_store import load_uploads, save_uploads  # noqa: E402
 
 VARIANTS = {"float32 (exact)": {}, "float16 eigvecs": {"eigvec_dtype": np.float16},
@@ -38,7 +37,7 @@ def main() -> None:
     run_config, uploads, _ = load_uploads(args.uploads, strict=True)
     out = Path(args.uploads).parent / "compression"
     spec = ModelSpec(run_config["model"] or "lenet", (1, 28, 28), 10)
-    shapes = dict(FusionContext(spec).param_shapes(spec.name, spec.kwargs))
+    shapes = dict(spec.param_shapes())
     exact = [[KronCurvature.from_arrays(m["curvature.kron"], shapes, 1.0, 1.0)
               for m in u.members] for u in uploads]
     rows = []
