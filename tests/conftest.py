@@ -21,7 +21,8 @@ from fedfusion.app.inprocess import InProcessGrid, ensure_task_identity
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 __all__ = ["DIFFERS", "FLOWER_PROCESSES", "LAUNCH_TIMEOUT_S", "InProcessGrid", "SharedRun",
-           "client0_model", "initial_models", "label_skewed_fmnist", "prediction_gap", "sgd"]
+           "client0_model", "initial_models", "label_skewed_fmnist", "prediction_gap",
+           "run_keeping_last_round", "sgd"]
 # (tests import them from here)
 
 #: limit of one `flwr run` launched by a test: a run here takes 10-60 s; a hung simulation
@@ -82,6 +83,31 @@ def fmnist_split(tmp_path_factory) -> SharedRun:
     live = run_server(settings, InProcessGrid(settings))
     assert live["status"] == "ok" and not live["excluded"]
     return SharedRun(settings, live)
+
+
+def run_keeping_last_round(settings: Settings) -> tuple[dict, list, dict[str, torch.Tensor]]:
+    """Run ``settings`` through the App's ServerApp in process, and return its results, the
+    last round's replies decoded as the server got them (sorted by client) and the saved
+    predictor's state: what a multi-round test checks the last fusion against."""
+    from flwr.app import Message
+
+    from fedfusion.server_app import run_server
+    from fedfusion.strategies.predictors import load_predictor
+    from fedfusion.wire import decode_upload
+
+    replies: list[Message] = []
+
+    def record(index: int, reply: Message) -> Message:
+        replies.append(reply)
+        return reply
+
+    results = run_server(settings, InProcessGrid(settings, tamper=record))
+    assert len(replies) == settings.num_rounds * settings.num_clients
+    predictor = load_predictor(Path(results["output_dir"]) / "predictor.pt")
+    shapes = predictor.specs[0].param_shapes()
+    last = sorted((decode_upload(r.content, "client", lambda _m, _k: shapes)
+                   for r in replies[-settings.num_clients:]), key=lambda u: u.client_id)
+    return results, last, predictor.members[0].state_dict()
 
 
 def initial_models(spec, num_members: int, seed: int) -> list:

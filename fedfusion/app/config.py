@@ -405,8 +405,9 @@ class Settings:
         path=True)
     min_valid_uploads: int = knob(
         1,
-        doc=("fewer valid uploads than this fail the run with every exclusion listed; otherwise "
-             "the server fuses what it has"),
+        doc=("fewer valid uploads than this fail the run with every exclusion listed (the "
+             "uploads received are still saved, for a replay); otherwise the server fuses what "
+             "it has"),
         valid=">= 1",
         check=AT_LEAST_ONE, strategy=((EVERY, "min_valid_uploads"),))
     member_fusion: str = knob(

@@ -382,6 +382,8 @@ class Fusion(ABC):
         # capped in the copies fused (``weighted``); the sink keeps every valid upload
         received = sorted(uploads, key=lambda u: u.client_id)
         uploads, weighted = self._screen(received, server_round)
+        if self.upload_sink is not None and received:  # kept even when the round fails
+            self.upload_sink(received)
         if len(uploads) < self.min_valid_uploads:
             reasons = "".join(f"\n  - client {e['client']}: {summarise_reason(e['reason'])}"
                               for e in self.exclusions if e["round"] == server_round)
@@ -389,8 +391,6 @@ class Fusion(ABC):
                 f"round {server_round}: {len(uploads)} valid upload(s), need at least "
                 f"{self.min_valid_uploads} (min_valid_uploads); excluded:{reasons or ' none'}")
         self.uploads = uploads
-        if self.upload_sink is not None:
-            self.upload_sink(received)
         uploads = weighted
         if self.member_fusion == "first":
             uploads = [dataclasses.replace(u, members=u.members[:1]) for u in uploads]

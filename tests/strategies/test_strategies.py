@@ -5,12 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import InProcessGrid
+from conftest import InProcessGrid, run_keeping_last_round
 from flwr.app import ArrayRecord, Message
 from helpers.uploads import SPEC, make_upload
 
+from fedfusion.core.state import weighted_average
 from fedfusion.server_app import run_server
 from fedfusion.strategies import FedAvg, UniformEnsemble
+from fedfusion.upload_store import load_uploads
 from fedfusion.wire import UploadError, member_key
 
 
@@ -147,12 +149,36 @@ def test_a_crashing_client_is_excluded(small_settings):
     assert "client 0 ran out of memory" in results["excluded"][0]["reason"]
 
 
+def test_a_round_short_of_valid_uploads_keeps_them_for_a_replay(small_settings, tmp_path):
+    """min_valid_uploads unmet: the run fails naming the shortfall, but the uploads that
+    arrived stay a complete upload folder (manifest and files), so the clients' training is
+    replayed with a lower minimum instead of lost."""
+    settings = small_settings.replace(strategy="ensemble", min_valid_uploads=3,
+                                      run_name="short")
+    with pytest.raises(RuntimeError, match=r"2 valid upload\(s\), need at least 3"):
+        run_server(settings, InProcessGrid(settings, crash={2}))
+    _, kept, _ = load_uploads(tmp_path / "short" / "uploads", strict=True)
+    assert sorted(u.client_id for u in kept) == [0, 1]
+    replayed = run_server(small_settings.replace(
+        strategy="ensemble", replay=str(tmp_path / "short" / "uploads"), run_name="re"))
+    assert replayed["status"] == "ok" and [c["client_id"] for c in replayed["clients"]] == [0, 1]
+
+
 def test_multi_round_fedavg_improves(small_settings):
+    """3 rounds on near-IID clients: round 3 beats round 1 and clears 60%, and the final
+    model is the sample-weighted average of round 3's replies (recorded on the wire), not
+    one client's (client 0 alone scores as well here: accuracy cannot tell them apart)."""
     settings = small_settings.replace(num_rounds=3, run_name="multi", alpha=100.0)
-    results = run_server(settings, InProcessGrid(settings))
+    results, last, fused = run_keeping_last_round(settings)
     accuracies = [r["test_accuracy"] for r in results["rounds"]]
     assert len(accuracies) == 3
     assert accuracies[-1] > accuracies[0] and accuracies[-1] > 0.6
+    expected = weighted_average([u.weights(0) for u in last], [u.num_examples for u in last])
+    gap = 0.0
+    for name, value in fused.items():
+        np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6)
+        gap = max(gap, float(np.abs(value.numpy() - last[0].weights(0)[name]).max()))
+    assert gap > 1e-4, gap  # not client 0's model
 
 
 def test_ensemble_refuses_more_than_one_round(small_settings):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 import torchvision.datasets
-from conftest import InProcessGrid, initial_models
-from flwr.app import ConfigRecord, Message, MetricRecord
+from conftest import InProcessGrid, initial_models, run_keeping_last_round
+from flwr.app import ConfigRecord, MetricRecord
 from helpers.fake_datasets import FakeCIFAR
 from helpers.uploads import SPEC, make_upload
 from scipy import stats
@@ -32,7 +32,7 @@ from fedfusion.strategies.swa.strategy import (
     layer_weights,
 )
 from fedfusion.upload_store import load_uploads
-from fedfusion.wire import ClientUpload, decode_upload, encode_models
+from fedfusion.wire import ClientUpload, encode_models
 
 TINY = ModelSpec("mlp", (1, 2, 4), 2, {"hidden_layers": 0})  # one Linear(8, 2): 16 weights
 
@@ -273,36 +273,27 @@ def test_scores_are_deterministic_and_degenerate_layers_average_plainly():
         StatisticalWeightAggregation(SPEC, num_clients=2, distance="kl")
 
 
-def test_multi_round_swa_improves_on_real_fmnist(small_settings, tmp_path):
+def test_multi_round_swa_improves_on_real_fmnist(small_settings):
     """3 clients, 3 rounds x 3 epochs on 3,000 real FMNIST images: round 3 beats round 1 and
     clears 60% (FedAvg's floor in the same setting), and the final model is SWA's fusion of
     round 3's replies (recorded on the wire): their layer-wise average with the Gd weights,
     which are not the sample-size weights, so FedAvg in any round fails here."""
     settings = small_settings.replace(strategy="swa", num_rounds=3, alpha=100.0, run_name="swa")
-    replies = []
-
-    def record(index: int, reply: Message) -> Message:
-        replies.append(reply)
-        return reply
-
-    results = run_server(settings, InProcessGrid(settings, tamper=record))
+    results, last, fused = run_keeping_last_round(settings)
     accuracies = [r["test_accuracy"] for r in results["rounds"]]
-    assert len(accuracies) == 3 and len(replies) == 9
+    assert len(accuracies) == 3
     assert accuracies[-1] > accuracies[0] and accuracies[-1] > 0.6
-    report = results["strategy_report"]
-    assert report["distance"] == "hos" and report["clients"] == [0, 1, 2]
     spec = ModelSpec(results["model"], (1, 28, 28), 10)
-    last = sorted((decode_upload(r.content, "client", lambda _m, _k: spec.param_shapes())
-                   for r in replies[-3:]), key=lambda u: u.client_id)
     _, weights = StatisticalWeightAggregation(spec).entry_weights(last, 0)
     expected = weighted_average([u.weights(0) for u in last], weights)
     by_size = weighted_average([u.weights(0) for u in last], [u.num_examples for u in last])
-    fused = load_predictor(tmp_path / "swa" / "predictor.pt").members[0].state_dict()
     gap = 0.0
     for name, value in fused.items():
         np.testing.assert_allclose(value.numpy(), expected[name], rtol=1e-5, atol=1e-6)
         gap = max(gap, float(np.abs(value.numpy() - by_size[name]).max()))
     assert gap > 1e-4, gap  # not FedAvg's model
+    report = results["strategy_report"]
+    assert report["distance"] == "hos" and report["clients"] == [0, 1, 2]
     assert report["weights"] == {k: v.tolist() for k, v in weights.items()}
 
 
