@@ -71,6 +71,12 @@ FINITE_NON_NEGATIVE = Constraint("a finite number >= 0",
 FINITE_POSITIVE = Constraint("a finite number > 0",
                              lambda v: _number(v) and math.isfinite(v) and v > 0)
 SECONDS = Constraint("> 0 seconds", lambda v: v > 0)
+MOMENTUM = Constraint("a finite number in [0, 1)",
+                      lambda v: _number(v) and math.isfinite(v) and 0 <= v < 1)
+#: torch threads: a huge count aborts the process in torch's thread pool, naming nothing
+THREADS = Constraint("an integer in 1..1024", lambda v: 1 <= v <= 1024)
+#: a seed: derived seeds (x a constant + an index) stay within torch's 64-bit seeds
+SEED = Constraint("an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
 #: a screening factor or count cap (:mod:`fedfusion.core.screening`): 0 turns it off;
 #: below 1 it would reject the median client itself
 OFF_OR_AT_LEAST_ONE = Constraint("0 (off) or a number >= 1",

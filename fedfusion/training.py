@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.accel import requested
+from fedfusion.constraints import AT_LEAST_ONE, FINITE_POSITIVE, MOMENTUM, NON_NEGATIVE
 from fedfusion.device import model_device
 from fedfusion.loss_terms import LossTerm, ProximalTerm
 
@@ -36,10 +37,19 @@ __all__ = ["LossTerm", "ProximalTerm", "TrainConfig", "TrainStats", "train_local
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Local SGD's settings, checked here so that every engine (one by one, stacked,
+    vmapped) refuses the same values."""
+
     epochs: int = 20
     lr: float = 0.01
     momentum: float = 0.9
     batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        NON_NEGATIVE.check("epochs", self.epochs)
+        FINITE_POSITIVE.check("lr", self.lr)
+        MOMENTUM.check("momentum", self.momentum)
+        AT_LEAST_ONE.check("batch_size", self.batch_size)
 
 
 @dataclass(frozen=True)

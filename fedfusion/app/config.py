@@ -26,6 +26,7 @@ from fedfusion.app.knobs import (
     EVERY,
     HOLDOUT_FRACTION,
     SERVER_DEVICE,
+    SERVER_THREADS,
     SHA256,
     SPLIT_SEED,
     Knob,
@@ -36,13 +37,16 @@ from fedfusion.constraints import (
     AT_LEAST_ONE,
     FINITE_NON_NEGATIVE,
     FINITE_POSITIVE,
+    MOMENTUM,
     NON_NEGATIVE,
     OFF_OR_AT_LEAST_ONE,
-    POSITIVE,
     SECONDS,
+    SEED,
+    THREADS,
     one_of,
 )
 from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.fusion import MEMBERS
 from fedfusion.core.normalization import NORM_STATS
 from fedfusion.curvature import STRUCTURES
 from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
@@ -138,8 +142,8 @@ class Settings:
     alpha: float = knob(
         0.1,
         doc="Dirichlet concentration (`dirichlet`, `flwr-dirichlet`)",
-        valid="> 0",
-        check=POSITIVE, data=True)
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, data=True)
     labels_per_client: str = knob(
         "3,6",
         doc="`hetero-label`: each client holds k ~ U{lo..hi} labels",
@@ -166,13 +170,12 @@ class Settings:
     seed: int = knob(
         0,
         doc="decides holdout, partition, inits and batch order",
-        valid=(">= 0 **[not checked]** (with `split-seed=-1`, numpy refuses a negative seed when "
-               "the data are split)"),
-        data=True, strategy=((EVERY, "seed"),))
+        valid="an integer in [0, 2**63)",
+        check=SEED, data=True, strategy=((EVERY, "seed"),))
     split_seed: int = knob(
         -1,
         doc="-1 = `seed`; N pins holdout + partition while `seed` varies inits and batch order",
-        valid="-1 or >= 0",
+        valid="-1 or an integer in [0, 2**63)",
         check=SPLIT_SEED, data=True)
     partition_file: str = knob(
         "",
@@ -236,8 +239,8 @@ class Settings:
     num_members: int = knob(
         1,
         doc="M models per client, each from its own broadcast init",
-        valid=">= 1; the server decodes at most 64 per upload",
-        check=AT_LEAST_ONE, data=True, node=True, strategy=((EVERY, "num_members"),))
+        valid="1..64 (the most an upload carries)",
+        check=MEMBERS, data=True, node=True, strategy=((EVERY, "num_members"),))
     init_perturbation: float = knob(
         0.0,
         doc=("0 = each member from its own seeded init; s > 0 = member m > 0 from member 0's init "
@@ -252,13 +255,13 @@ class Settings:
     lr: float = knob(
         0.01,
         doc="local SGD learning rate",
-        valid="> 0",
-        check=POSITIVE, data=True)
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, data=True)
     momentum: float = knob(
         0.9,
         doc="local SGD momentum",
-        valid=">= 0 **[not checked]** (torch's SGD refuses a negative value on the client)",
-        data=True)
+        valid="finite, in [0, 1)",
+        check=MOMENTUM, data=True)
     batch_size: int = knob(
         64,
         doc="local batch size",
@@ -267,8 +270,8 @@ class Settings:
     client_threads: int = knob(
         1,
         doc="torch threads per client (one Ray actor per CPU)",
-        valid=">= 1",
-        check=AT_LEAST_ONE, node=True)
+        valid="1..1024",
+        check=THREADS, node=True)
     client_device: str = knob(
         "auto",
         doc=("where a client trains its members, fits curvature and builds its upload (FENS' "
@@ -309,13 +312,13 @@ class Settings:
     temperature: float = knob(
         0.1,
         doc="posterior precision = H / `temperature` + I / `prior-var` (server side)",
-        valid="> 0",
-        check=POSITIVE, strategy=(("fedbens", "temperature"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("fedbens", "temperature"),))
     prior_var: float = knob(
         0.1,
         doc="Gaussian prior N(0, `prior-var` I)",
-        valid="> 0",
-        check=POSITIVE, strategy=(("fedbens", "prior_var"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("fedbens", "prior_var"),))
     curvature_backend: str = knob(
         "",
         doc=('laplace-torch backend of the fit; `""` = the measured default `asdl_mc` (see '
@@ -352,8 +355,8 @@ class Settings:
         0,
         doc=("torch CPU threads of the server; 0 = torch's default (all cores); 1 when other "
              "processes share the cores"),
-        valid=">= 0",
-        check=NON_NEGATIVE)
+        valid="0..1024",
+        check=SERVER_THREADS)
     eval_batch_size: int = knob(
         2000,
         doc="batch size of the server's evaluation",
@@ -518,13 +521,13 @@ class Settings:
     server_lr: float = knob(
         0.001,
         doc="Adam learning rate (the reference code's effective one)",
-        valid="> 0",
-        check=POSITIVE, strategy=(("fedbens", "lr"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("fedbens", "lr"),))
     server_clip: float = knob(
         1.0,
         doc="gradient-norm clip per mode",
-        valid="> 0",
-        check=POSITIVE, strategy=(("fedbens", "clip"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("fedbens", "clip"),))
     server_eval_every: int = knob(
         30,
         doc="model selection interval (validation or objective)",
@@ -793,18 +796,18 @@ class Settings:
     pfnm_sigma: float = knob(
         1.0,
         doc="PFNM: variance sigma^2 of local neurons around their global neuron",
-        valid="> 0",
-        check=POSITIVE, strategy=(("pfnm", "sigma"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("pfnm", "sigma"),))
     pfnm_sigma0: float = knob(
         1.0,
         doc="PFNM: prior variance sigma0^2 of a global neuron",
-        valid="> 0",
-        check=POSITIVE, strategy=(("pfnm", "sigma0"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("pfnm", "sigma0"),))
     pfnm_gamma: float = knob(
         1.0,
         doc="PFNM: Beta-Bernoulli process mass gamma0 (larger = more new neurons)",
-        valid="> 0",
-        check=POSITIVE, strategy=(("pfnm", "gamma"),))
+        valid="finite, > 0",
+        check=FINITE_POSITIVE, strategy=(("pfnm", "gamma"),))
     pfnm_iters: int = knob(
         5,
         doc="PFNM: passes of re-matching every client after the greedy start",

@@ -57,7 +57,10 @@ def knob(default: Any, *, doc: str, valid: str, check: Constraint | None = None,
 EVERY = "*"
 
 #: the App-only rules (a strategy argument's rule lives with its constructor)
-SPLIT_SEED = Constraint("-1 (follow 'seed') or >= 0", lambda v: v >= -1)
+SPLIT_SEED = Constraint("-1 (follow 'seed') or an integer in [0, 2**63)",
+                        lambda v: -1 <= v < 2**63)
+SERVER_THREADS = Constraint("0 (torch's default) or an integer in 1..1024",
+                            lambda v: 0 <= v <= 1024)
 HOLDOUT_FRACTION = Constraint(
     "in [0, 1) (0: FENS' own for strategy 'fens', none otherwise)", lambda v: 0 <= v < 1)
 SERVER_DEVICE = Constraint("'auto', 'cpu' or 'cuda[:i]'",

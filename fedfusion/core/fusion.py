@@ -32,7 +32,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fedfusion.constraints import AT_LEAST_ONE, FINITE_NON_NEGATIVE, OFF_OR_AT_LEAST_ONE
+from fedfusion.constraints import (
+    AT_LEAST_ONE,
+    FINITE_NON_NEGATIVE,
+    OFF_OR_AT_LEAST_ONE,
+    SEED,
+    Constraint,
+)
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.diagnostics import client_table, client_timing, run_cost
 from fedfusion.core.evaluation import (
@@ -52,6 +58,7 @@ from fedfusion.sections import SECTIONS, SectionTable
 from fedfusion.seeding import seeded
 from fedfusion.wire import (
     DEFAULT_LIMITS,
+    MAX_MEMBERS,
     WEIGHTS,
     ClientUpload,
     NumpyDict,
@@ -60,6 +67,10 @@ from fedfusion.wire import (
     UploadLimits,
     validate_upload,
 )
+
+#: M, the members a client trains and uploads: at most what an upload may carry
+MEMBERS = Constraint(f"an integer in 1..{MAX_MEMBERS} (the members an upload may carry)",
+                     lambda v: 1 <= v <= MAX_MEMBERS)
 
 log = logging.getLogger("fedfusion")
 
@@ -249,7 +260,8 @@ class Fusion(ABC):
             # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
         self.context = FusionContext(spec, present_device(device, self.name), val_data, seed)
-        AT_LEAST_ONE.check("num_members", num_members)
+        MEMBERS.check("num_members", num_members)
+        SEED.check("seed", seed)
         AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
         FINITE_NON_NEGATIVE.check("init_perturbation", init_perturbation)
         self.init_perturbation = float(init_perturbation)
@@ -631,7 +643,7 @@ class Fusion(ABC):
         # a module's constructor draws from the global RNG: seeded inside a forked state, so
         # the caller's RNG is left as it was
         for m in range(self.num_members):
-            with seeded(self.context.seed * 7919 + m):
+            with seeded((self.context.seed * 7919 + m) % 2**63):
                 if self.init_perturbation and m > 0:
                     models.append({k: (v + self.init_perturbation * torch.randn(
                         v.shape, dtype=torch.float64).numpy()).astype(v.dtype)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedfusion.constraints import POSITIVE
+from fedfusion.constraints import FINITE_POSITIVE
 
 PARTITIONERS = ("dirichlet", "flwr-dirichlet", "hetero-label", "iid", "fractions")
 
@@ -142,7 +142,7 @@ def _dirichlet(
     max_retries: int,
 ) -> list[np.ndarray]:
     """FedBEns / FedFisher Dirichlet split, redrawn until every client has ``min_samples``."""
-    POSITIVE.check("alpha", alpha, PartitionError)
+    FINITE_POSITIVE.check("alpha", alpha, PartitionError)
     if num_clients * min_samples > len(labels):
         raise PartitionError(
             f"{num_clients} clients x min_samples={min_samples} exceeds the "

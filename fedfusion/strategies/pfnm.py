@@ -76,7 +76,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from fedfusion.constraints import NON_NEGATIVE, POSITIVE
+from fedfusion.constraints import FINITE_POSITIVE, NON_NEGATIVE
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.predictors import Ensemble
 from fedfusion.flower.strategy import FusionStrategy
@@ -295,7 +295,7 @@ class PFNM(FusionStrategy):
         super().__init__(model_fn, **kwargs)
         context = self.context
         for name, value in (("sigma", sigma), ("sigma0", sigma0), ("gamma", gamma)):
-            POSITIVE.check(name, value)
+            FINITE_POSITIVE.check(name, value)
         NON_NEGATIVE.check("iters", iters)
         self.sigma, self.sigma0, self.gamma, self.iters = sigma, sigma0, gamma, iters
         self._chain = self._layers(context.model_spec.name, context.model_spec.kwargs)
@@ -355,7 +355,7 @@ class PFNM(FusionStrategy):
         clients = [self._client(u, member, None if shares is None else shares[i])
                    for i, u in enumerate(holders)]
         weights, biases = match_mlps(clients, self.sigma, self.sigma0, self.gamma, self.iters,
-                                     seed=self.context.seed * 1009 + member)
+                                     seed=(self.context.seed * 1009 + member) % 2**62)
         server = self.context.model_spec
         spec = ModelSpec("mlp", server.input_shape, server.num_classes,
                          {"hidden_sizes": [int(w.shape[0]) for w in weights[:-1]],

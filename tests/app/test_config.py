@@ -29,6 +29,7 @@ from fedfusion.app.reference import BEGIN, END, key_table, pyproject_mismatches,
 from fedfusion.core.predictors import ModelSpec
 from fedfusion.distillation import DistillOptions
 from fedfusion.strategies import STRATEGIES, FedAvg, FedProx
+from fedfusion.training import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO / "pyproject.toml"
@@ -64,7 +65,12 @@ def test_typo_is_rejected_with_a_hint():
      "'fractions' must be positive numbers, got 'nan,inf'"),
     ({"labels-per-client": "6,3"}, "labels-per-client"),
     ({"server-device": "tpu"}, "server-device"),
-    ({"server-threads": -1}, "'server-threads' must be >= 0"),
+    ({"server-threads": -1}, "'server-threads' must be 0 .* or an integer in 1..1024"),
+    ({"server-threads": 10**5}, "'server-threads' must be 0 .* or an integer in 1..1024"),
+    ({"client-threads": 10**5}, "'client-threads' must be an integer in 1..1024"),
+    ({"seed": 2**63}, r"'seed' must be an integer in \[0, 2\*\*63\)"),
+    ({"seed": -1}, r"'seed' must be an integer in \[0, 2\*\*63\)"),
+    ({"split-seed": 2**63}, "'split-seed' must be -1"),
     ({"server-steps-noval": -5}, "'server-steps-noval' must be >= 0"),
 ])
 def test_bad_values_name_the_key(values, message):
@@ -174,10 +180,18 @@ LIBRARY_RULES = {
     "distill-temperature": lambda v: DistillOptions(temperature=v).check(),
     "pfnm-sigma": lambda v: STRATEGIES["pfnm"](MLP, sigma=v),
     "pfnm-gamma": lambda v: STRATEGIES["pfnm"](MLP, gamma=v),
+    "pfnm-sigma0": lambda v: STRATEGIES["pfnm"](MLP, sigma0=v),
+    "temperature": lambda v: STRATEGIES["fedbens"](SmallCNN, temperature=v),
+    "prior-var": lambda v: STRATEGIES["fedbens"](SmallCNN, prior_var=v),
+    "server-lr": lambda v: STRATEGIES["fedbens"](SmallCNN, lr=v),
+    "server-clip": lambda v: STRATEGIES["fedbens"](SmallCNN, clip=v),
+    "lr": lambda v: TrainConfig(lr=v),
+    "momentum": lambda v: TrainConfig(momentum=v),
 }
 #: the same for the int keys
 LIBRARY_INT_RULES = {
     "num-members": lambda v: FedAvg(SmallCNN, num_members=v),
+    "seed": lambda v: FedAvg(SmallCNN, seed=v),
     "min-valid-uploads": lambda v: FedAvg(SmallCNN, min_valid_uploads=v),
     "distill-epochs": lambda v: DistillOptions(epochs=v).check(),
     "server-patience": lambda v: STRATEGIES["fedbens"](SmallCNN, patience=v),

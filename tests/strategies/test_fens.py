@@ -522,3 +522,15 @@ def test_the_trained_aggregator_is_temperature_scaled_on_validation():
     assert t != 1.0 and math.isclose(
         torch.nn.functional.cross_entropy(calibrated, val[1]).item(), min(nll), rel_tol=1e-6)
     assert strategy.report()["temperature"] == t
+
+
+def test_the_largest_seed_runs_every_aggregator_round(small_settings):
+    """The largest seed the run config takes (2**63 - 1): derived seeds (the server's initial
+    models, each client's aggregator rounds) stay within torch's, so no client fails a round
+    (a seed of 1.2e8 once overflowed torch's seed in every aggregator round, every node
+    excluded while the run reported ok)."""
+    settings = small_settings.replace(strategy="fens", seed=2**63 - 1, local_epochs=1,
+                                      fens_rounds=2, save_uploads=False, run_name="seed")
+    results = run_server(settings, InProcessGrid(settings))
+    assert results["status"] == "ok" and results["excluded"] == []
+    assert [t["clients"] for t in results["strategy_report"]["trace"][1:]] == [3, 3]

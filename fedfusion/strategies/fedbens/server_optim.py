@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedfusion import cuda_graphs
+from fedfusion.constraints import FINITE_POSITIVE
 from fedfusion.core.evaluation import classification_metrics
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.normalization import recalibrate
@@ -82,6 +83,11 @@ class ServerOptimiser:
     best_scores: list[tuple[float, float]] = field(default_factory=list)
     #: CUDA graphs captured in the last run (None: eager steps)
     graph_captures: int | None = None
+
+    def __post_init__(self) -> None:
+        FINITE_POSITIVE.check("lr", self.lr)
+        if self.clip is not None:
+            FINITE_POSITIVE.check("clip", self.clip)
 
     def maximise(self, objective: Objective, starts: Sequence[dict[str, np.ndarray]],
                  context: FusionContext, recalibrate_stats: bool = False

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfusion.constraints import Constraint
+from fedfusion.constraints import FINITE_POSITIVE, Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.normalization import has_running_stats
 from fedfusion.core.predictors import Ensemble
@@ -191,6 +191,8 @@ class FedBEns(FusionStrategy):
         steps = steps if self.context.val is not None else steps_noval
         self.structure = hessian_structure
         self.required_sections = (WEIGHTS, curvature_section(hessian_structure))
+        FINITE_POSITIVE.check("temperature", temperature)
+        FINITE_POSITIVE.check("prior_var", prior_var)
         self.temperature, self.prior_var = temperature, prior_var
         self.dtype = dtype
         self.prune_margin, self.refresh_every = prune_margin, refresh_every

@@ -92,7 +92,7 @@ def aggregator_round(content: RecordDict, state: RecordDict,
     loss = 0.0
     if len(labels):
         loss = train_locally(aggregator, z, labels, LocalTraining.from_config(config),
-                             seed * 1_000_003 + int(config.get(ROUND_KEY, 0)))
+                             (seed * 1_000_003 + int(config.get(ROUND_KEY, 0))) % 2**62)
     return RecordDict({
         AGGREGATOR_RECORD: ArrayRecord({k: Array(v.detach().cpu().numpy().copy())
                                         for k, v in aggregator.state_dict().items()}),
