@@ -53,7 +53,7 @@ from fedfusion.datasets import DATASETS, PARTITIONERS, ImageData
 from fedfusion.distillation import DISTILL_EPOCHS
 from fedfusion.flower.strategy import FusionStrategy
 from fedfusion.reasons import brief, describe
-from fedfusion.strategies.ams import TOP_K
+from fedfusion.strategies.ams import CALIBRATIONS, TOP_K
 from fedfusion.strategies.ensemble import SIZE
 from fedfusion.strategies.fedbens.strategy import MODES, NUM_STARTS, PATIENCE, PREDICTIONS
 from fedfusion.strategies.fens.strategy import FENS_HOLDOUT
@@ -793,6 +793,14 @@ class Settings:
              "= all (AMS-full)"),
         valid=">= 0 (k above the number of models = all)",
         check=TOP_K, strategy=(("ams", "top_k"),))
+    ams_calibration: str = knob(
+        "none",
+        doc=("AMS: `none` = the paper's raw max-logit; `temperature` = each model's logits "
+             "divided by its temperature fitted on the validation set, selected by calibrated "
+             "top probability (immune to a client scaling or shifting its logits; without a "
+             "validation set, `none`)"),
+        valid="`none` `temperature`",
+        check=one_of(CALIBRATIONS), strategy=(("ams", "calibration"),))
     pfnm_sigma: float = knob(
         1.0,
         doc="PFNM: variance sigma^2 of local neurons around their global neuron",
@@ -829,7 +837,8 @@ class Settings:
     run_name: str = knob(
         "",
         doc=('`""` = `<time>-<strategy>-<dataset>-<partitioner><alpha>-s<seed>` (+ `-replay`; the '
-             "launcher: `<time>-<pid>`)"),
+             "launcher: `<time>-<pid>`), with `-2`, `-3`, ... when a run of the same second "
+             "took it"),
         valid=("one folder name directly inside `output-dir` (letters, digits, `.`, `-`, `_`, "
                "e.g. `table1-C5_a0.1-s0-fedavg`); refused with a ConfigError naming the key when "
                "absolute, holding `..`, a NUL byte or a separator (`/`, `\\`), `.`, or a drive; a "

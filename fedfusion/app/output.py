@@ -36,6 +36,8 @@ def output_folder(settings: Settings) -> Path:
         + ("-replay" if settings.replay else ""))
     check_output_name("run-name", name)  # one name: nothing on the way but output-dir
     root = root.resolve()
+    if not settings.run_name:  # a generated name is never shared: runs started in the
+        name = _unused_name(root, name)  # same second get -2, -3, ...
     try:
         folder = make_folder(root / name)  # a symlink in its place is refused
     except OSError as exc:
@@ -50,6 +52,20 @@ def output_folder(settings: Settings) -> Path:
                           f"(to {os.readlink(folder / output)!r}); remove it, or choose "
                           "another output-dir or run-name")
     return folder
+
+
+def _unused_name(root: Path, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``, ...: the first one created here (atomically, so
+    two processes never get the same)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 10_000):
+        candidate = name if attempt == 1 else f"{name}-{attempt}"
+        try:
+            (root / candidate).mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise OSError(errno.EEXIST, f"{root}: 10,000 runs named {name!r}; set run-name")
 
 
 def write_results(folder: Path, results: dict[str, Any]) -> None:

@@ -93,6 +93,20 @@ def test_an_output_dir_through_a_symlink_keeps_the_run_inside_it(tmp_path):
     assert folder == real.resolve() / "r1" and folder.is_dir()
 
 
+def test_generated_run_names_started_in_the_same_second_get_their_own_folders(tmp_path,
+                                                                             monkeypatch):
+    """Without run-name the folder is named by the second the run started: two runs in that
+    second (a parallel sweep) get <name> and <name>-2, never one folder (their results and
+    uploads mixed), while an explicit run-name is reused as given."""
+    monkeypatch.setattr("fedfusion.app.output.time.strftime", lambda _format: "20261129-010230")
+    settings = Settings(output_dir=str(tmp_path), strategy="fedavg")
+    first, second = output_folder(settings), output_folder(settings.replace(lr=0.05))
+    assert first != second and first.parent == second.parent == tmp_path
+    assert second.name == f"{first.name}-2"
+    named = settings.replace(run_name="mine")
+    assert output_folder(named) == output_folder(named) == tmp_path / "mine"
+
+
 @pytest.mark.parametrize("name", GOOD_NAMES)
 def test_ordinary_run_names_stay_valid(tmp_path, name):
     settings = Settings.from_mapping({"run-name": name, "output-dir": str(tmp_path)})
