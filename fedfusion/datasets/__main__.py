@@ -2,8 +2,9 @@
 
 * ``check FILE [--shape C,H,W] [--classes K]``: validate it as the ClientApp will, print its
   size and class histogram (exit 1 with the problem otherwise);
-* ``demo FOLDER [--devices N] [--samples S] [--alpha A]``: demo files ``device-<i>.npz`` cut from a
-  built-in dataset, for trying the mode (:func:`~fedfusion.datasets.local_file.write_demo_files`).
+* ``demo FOLDER [--devices N] [--samples S] [--alpha A] [--val-size V] [--seed S]``: demo
+  files ``device-<i>.npz`` cut from a built-in dataset (never the run's validation rows), for
+  trying the mode (:func:`~fedfusion.datasets.local_file.write_demo_files`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--alpha", type=float, default=None,
                    help="each device's own class mix, Dirichlet(alpha) (default: uniform)")
+    p.add_argument("--val-size", type=int, default=500,
+                   help="the run's val-size: its validation rows are left out of the files")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed (its validation rows)")
     p = sub.add_parser("check", help="validate a device's file; print its size and histogram")
     p.add_argument("path")
     p.add_argument("--shape", default="1,28,28", help="C,H,W of the run's dataset")
@@ -41,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             for path in write_demo_files(args.folder, args.devices, args.samples, args.dataset,
-                                         args.data_dir, alpha=args.alpha):
+                                         args.data_dir, args.seed, args.alpha, args.val_size):
                 with np.load(path, allow_pickle=False) as npz:  # the file just written
                     print(f"{path}: classes {np.bincount(npz['y']).tolist()}")
         else:

@@ -165,26 +165,28 @@ def normalise(data: LocalData, mean: Sequence[float], std: Sequence[float]) -> I
 
 def write_demo_files(folder: str | Path, devices: int, samples: int, dataset: str = "fmnist",
                      data_dir: str | None = None, seed: int = 0,
-                     alpha: float | None = None) -> list[Path]:
+                     alpha: float | None = None, val_size: int = 500) -> list[Path]:
     """Demo data for trying ``client-data='local'``: ``device-<i>.npz`` for each of
     ``devices`` devices, ``samples`` disjoint training images each (raw pixels, as a device
     would hold them), drawn from ``dataset``'s training set with a seeded shuffle, device
-    ``i``'s file the same whatever ``devices`` is. ``alpha``: each device's own class mix,
-    proportions ~ Dirichlet(alpha) seeded per device (small alpha: few classes per device),
-    rows taken from each class's shuffled pool at the device's own offset; None: uniform
-    draws (every device about the same mix). On real devices each device writes its own
-    file instead."""
-    from fedfusion.datasets.loading import load_raw
+    ``i``'s file the same whatever ``devices`` is, and never one of the ``val_size`` rows a
+    server run with that ``val-size`` and ``seed`` holds out for validation. ``alpha``: each
+    device's own class mix, proportions ~ Dirichlet(alpha) seeded per device (small alpha:
+    few classes per device), rows taken from each class's shuffled pool at the device's own
+    offset; None: uniform draws (every device about the same mix). On real devices each
+    device writes its own file instead."""
+    from fedfusion.datasets.loading import holdout_indices, load_raw
 
     if devices < 1 or samples < 1:
         raise ValueError(f"need devices >= 1 and samples >= 1, got {devices} and {samples}")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
     images, labels = load_raw(dataset, Path(data_dir).expanduser() if data_dir else None)["train"]
-    if devices * samples > len(labels):
-        raise ValueError(f"{devices} devices x {samples} samples exceed the {len(labels)} "
-                         f"training images of {dataset}")
-    order = np.random.default_rng([seed, 3]).permutation(len(labels))
+    free, _ = holdout_indices(len(labels), val_size, seed)  # not the server's validation rows
+    if devices * samples > len(free):
+        raise ValueError(f"{devices} devices x {samples} samples exceed the {len(free)} "
+                         f"training images of {dataset} outside its {val_size} validation rows")
+    order = free[np.random.default_rng([seed, 3]).permutation(len(free))]
     pools = [order[labels[order] == k] for k in range(int(labels.max()) + 1)]
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)

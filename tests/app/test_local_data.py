@@ -323,3 +323,21 @@ def test_demo_files_with_a_class_mix_per_device(tmp_path):
     assert len(set(flat)) == len(flat) and set(flat) <= seen
     assert main(["demo", str(tmp_path / "c"), "--devices", "2", "--samples", "10",
                  "--alpha", "-1"]) == 1
+
+
+@pytest.mark.parametrize(("val_size", "seed"), [(500, 0), (2000, 3)])
+def test_demo_files_leave_out_the_servers_validation_rows(tmp_path, val_size, seed):
+    """The deploy guide's demo (4 devices x 1,000 images) held 3-14 of the server's 500
+    validation rows per device (rows its model selection and validation screen score on):
+    now none, for the run's val-size and seed."""
+    from fedfusion.datasets.__main__ import main
+    from fedfusion.datasets.loading import holdout_indices, load_raw
+
+    assert main(["demo", str(tmp_path), "--devices", "4", "--samples", "1000",
+                 "--val-size", str(val_size), "--seed", str(seed)]) == 0
+    images, _ = load_raw("fmnist", None)["train"]
+    _, val = holdout_indices(len(images), val_size, seed)
+    held = {images[i].tobytes() for i in val}
+    for i in range(4):
+        rows = read_local_data(tmp_path / f"device-{i}.npz", SHAPE, 10).x
+        assert len(rows) == 1000 and not any(row.tobytes() in held for row in rows)
