@@ -907,6 +907,12 @@ class Settings:
         if self.client_data == "local" and (self.partition_file or self.largest_client_first):
             raise ConfigError("run-config client-data='local' (each device trains on its own "
                               "data-path) excludes 'partition-file' and largest-client-first")
+        if self.dataset == "digits" and self.client_data == "local":
+            raise ConfigError("run-config client-data='local' needs an image dataset (a "
+                              "device's file holds images); 'digits' is 64 features a row")
+        if self.dataset == "digits" and (self.input_mean or self.input_std):
+            raise ConfigError("run-config 'input-mean'/'input-std' are per image channel; "
+                              "'digits' (64 features, already scaled) has none")
         if self.val_source == "file" and not self.partition_file:
             raise ConfigError("run-config val-source='file' needs a 'partition-file' holding "
                               "validation rows")

@@ -71,6 +71,8 @@ def test_typo_is_rejected_with_a_hint():
     ({"seed": 2**63}, r"'seed' must be an integer in \[0, 2\*\*63\)"),
     ({"seed": -1}, r"'seed' must be an integer in \[0, 2\*\*63\)"),
     ({"split-seed": 2**63}, "'split-seed' must be -1"),
+    ({"dataset": "digits", "client-data": "local"}, "client-data='local' needs an image"),
+    ({"dataset": "digits", "input-mean": "0.5", "input-std": "0.2"}, "'digits' .* has none"),
     ({"server-steps-noval": -5}, "'server-steps-noval' must be >= 0"),
 ])
 def test_bad_values_name_the_key(values, message):
