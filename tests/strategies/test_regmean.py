@@ -255,13 +255,17 @@ def test_alpha_is_chosen_on_validation():
 def test_real_fmnist_federation(fmnist_split):
     """RegMean (alpha chosen on the 300 validation images) against FedAvg of the same uploads
     (the shared 3-client Dirichlet 0.5 split, conftest.fmnist_split): RegMean must beat it by
-    5 points, which a FedAvg stub (+0) cannot. Measured: RegMean 60.6% (alpha 0.5), FedAvg
-    50.9%, the uniform ensemble 64.2% (a single model need not reach the ensemble)."""
+    5 points, which a FedAvg stub (+0) cannot, and client 0's model of the same uploads by 2,
+    which a client-0 stub (+0) cannot. Measured: RegMean 60.6% (alpha 0.5), FedAvg 50.9%,
+    client 0 55.4%, the uniform ensemble 64.2% (a single model need not reach the
+    ensemble)."""
     results = fmnist_split.replay("regmean")
     fedavg = fmnist_split.replay("fedavg")
-    print(results["test"], fedavg["test"])
+    client0 = fmnist_split.replay("ensemble", replay_clients="0")
+    print(results["test"], fedavg["test"], client0["test"])
     assert results["status"] == "ok" and not results["excluded"]
     assert results["test"]["accuracy"] >= fedavg["test"]["accuracy"] + 0.05  # measured +9.7
+    assert results["test"]["accuracy"] >= client0["test"]["accuracy"] + 0.02  # measured +5.2
     report = results["strategy_report"]
     assert [entry["alpha"] for entry in report["alphas"]] == [0.1, 0.5, 0.9]
     assert report["chosen_alpha"] in (0.1, 0.5, 0.9)
