@@ -42,7 +42,8 @@ def test_tests_sit_beside_the_package_they_test():
     assert len(names) == len(set(names))
     top = {p.name for p in TESTS.glob("test_*.py")}
     assert top <= {"test_layers.py", "test_library.py", "test_side_effects.py",
-                   "test_suite_hygiene.py"}  # the package as a whole
+                   "test_suite_hygiene.py",  # the package as a whole
+                   "test_benchmark_scripts.py"}  # benchmarks/, no package of its own
 
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):
