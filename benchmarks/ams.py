@@ -12,7 +12,9 @@ offline here):
   ensemble and AMS apply (FedAvg and PFNM need one depth).
 
 Methods: AMS-top1, AMS-full (ams-top-k = 0), uniform ensemble, FedAvg (the shared init the
-server broadcasts), PFNM (sigma^2 = sigma0^2 = gamma0 = 1, 5 iterations). One-shot: every
+server broadcasts), PFNM (sigma^2 = sigma0^2 = gamma0 = 1, 5 iterations), and AMS-top1
+calibrated (``ams-calibration=temperature``, not in the paper: each model's temperature
+fitted on the server's validation rows, selection by calibrated top probability). One-shot: every
 federation is trained ONCE per (partition, N, seed) with ``run_client`` from the server's
 broadcast init (the ClientApp's code path), its uploads cached with
 ``fedfusion.upload_store`` under ``--out``, and EVERY method fuses the SAME uploads through
@@ -77,10 +79,14 @@ METHODS: dict[str, tuple[type[FusionStrategy], dict[str, Any]]] = {
     "pfnm": (PFNM, {}),
     "ams-full": (AdaptiveModelSelection, {"top_k": 0}),
     "ams-top1": (AdaptiveModelSelection, {"top_k": 1}),
+    # not in the paper: temperatures fitted on the server's validation rows (the only
+    # method given them; no validation screen, so only the selection rule differs)
+    "ams-top1-calibrated": (AdaptiveModelSelection, {"top_k": 1, "calibration": "temperature",
+                                                     "val_screen": False}),
 }
-CROSS_METHODS = ("ensemble", "ams-full", "ams-top1")
+CROSS_METHODS = ("ensemble", "ams-full", "ams-top1", "ams-top1-calibrated")
 LABELS = {"ensemble": "ensemble", "fedavg": "FedAvg", "pfnm": "PFNM", "ams-full": "AMS-full",
-          "ams-top1": "AMS-top1"}
+          "ams-top1": "AMS-top1", "ams-top1-calibrated": "AMS-top1 calibrated"}
 
 
 def cross_architecture(num_clients: int) -> str:
@@ -124,6 +130,8 @@ def evaluate_methods(settings: Settings, uploads: list, methods: Sequence[str]
     row: dict[str, Any] = {}
     for method in methods:
         kind, options = METHODS[method]
+        if options.get("calibration") == "temperature":
+            options = {**options, "val": (bundle.val.x, bundle.val.y)}
         strategy = kind(spec, num_clients=settings.num_clients, seed=settings.seed, **options)
         start = time.perf_counter()
         predictor = strategy.fuse_uploads(uploads)
@@ -197,7 +205,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, wall_s: float) -> Path:
     sweep = [r for r in rows if r["part"] == "sweep"]
     alphas = sorted({r["alpha"] for r in sweep})
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, marker in zip(METHODS, "osD^v", strict=True):
+    for method, marker in zip(METHODS, "osD^vP", strict=True):
         accs = [[100 * r[method]["accuracy"] for r in sweep if r["alpha"] == a] for a in alphas]
         mean = np.array([np.mean(a) for a in accs])
         sd = np.array([np.std(a, ddof=1) if len(a) > 1 else 0.0 for a in accs])

@@ -585,18 +585,17 @@ class Settings:
     fedfisher_steps: int = knob(
         2000,
         doc="FedFisher (kron or diag, from `hessian-structure`): optimisation steps",
-        valid=">= 0 **[not checked]**",
+        valid=">= 0 **[start]**",
         strategy=(("fedfisher", "steps"),))
     fedfisher_lr: float = knob(
         0.01,
         doc="FedFisher: Adam learning rate",
-        valid=("> 0 **[not checked]** (torch's Adam refuses a negative one when the server fuses, "
-               "after training)"),
+        valid="finite, > 0 **[start]**",
         strategy=(("fedfisher", "lr"),))
     fedfisher_eval_every: int = knob(
         100,
         doc="FedFisher: model selection interval",
-        valid=">= 1 **[not checked]** (0 fails when the server fuses)",
+        valid=">= 1 **[start]**",
         strategy=(("fedfisher", "eval_every"),))
     regmean_alpha: str = knob(
         "0.1,0.5,0.9",
@@ -626,12 +625,12 @@ class Settings:
     dense_g_lr: float = knob(
         0.001,
         doc="DENSE: generator learning rate",
-        valid="> 0 **[not checked]**",
+        valid="finite, > 0 **[start]**",
         strategy=(("dense", "g_lr"), ("co-boosting", "g_lr")))
     dense_s_lr: float = knob(
         0.01,
         doc="DENSE: student learning rate",
-        valid="> 0 **[not checked]**",
+        valid="finite, > 0 **[start]**",
         strategy=(("dense", "s_lr"), ("co-boosting", "s_lr")))
     dense_g_steps: int = knob(
         1,
@@ -646,12 +645,12 @@ class Settings:
     dense_adv_weight: float = knob(
         1.0,
         doc="DENSE: adversarial (teacher-student disagreement) loss weight",
-        valid=">= 0 **[not checked]**",
+        valid="finite, >= 0 **[start]**",
         strategy=(("dense", "adv_weight"), ("co-boosting", "adv_weight")))
     dense_act_weight: float = knob(
         0.1,
         doc="DENSE: weight of the statistics term (replaces the BN loss)",
-        valid=">= 0 **[not checked]**",
+        valid="finite, >= 0 **[start]**",
         strategy=(("dense", "act_weight"), ("co-boosting", "act_weight")))
     co_boosting_epsilon: float = knob(
         0.03,

@@ -228,6 +228,26 @@ def test_the_run_config_refuses_what_the_library_refuses(key, value):
         assert config_error.split(" must be ")[1] == library_error.split(" must be ")[1]
 
 
+@pytest.mark.parametrize(("strategy", "key", "value", "argument"), [
+    ("fedfisher", "fedfisher-steps", -1, "steps"),
+    ("fedfisher", "fedfisher-lr", -0.01, "lr"),
+    ("fedfisher", "fedfisher-lr", math.inf, "lr"),
+    ("fedfisher", "fedfisher-eval-every", 0, "eval_every"),
+    ("dense", "dense-g-lr", -1.0, "g_lr"),
+    ("co-boosting", "dense-s-lr", math.nan, "s_lr"),
+    ("dense", "dense-adv-weight", -1.0, "adv_weight"),
+    ("co-boosting", "dense-act-weight", math.inf, "act_weight"),
+])
+def test_start_checked_keys_are_refused_when_the_strategy_is_built(strategy, key, value,
+                                                                    argument):
+    """Keys marked [start]: the strategy's constructor refuses a bad value by name when the
+    ServerApp builds it, before any client trains (FedFisher's learning rate and evaluation
+    interval once failed only when the server fused, after every client had trained)."""
+    settings = Settings.from_mapping({"strategy": strategy, key: value})
+    with pytest.raises(ConfigError, match=f"strategy {strategy!r}: {argument} must be"):
+        build_strategy(settings, ModelSpec("lenet", (1, 28, 28), 10))
+
+
 def test_build_strategy_passes_the_declared_arguments():
     """The keys declared as every strategy's arguments reach the constructor, by name."""
     settings = Settings(strategy="fedprox", screen_factor=5.0, round_timeout=7.0, num_members=2,

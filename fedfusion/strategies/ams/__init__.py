@@ -1,6 +1,7 @@
 """AMS: per input, the client model(s) with the highest maximum logit."""
 
 from fedfusion.strategies.ams.predictor import MaxLogitSelector, max_logit_log_probs
-from fedfusion.strategies.ams.strategy import TOP_K, AdaptiveModelSelection
+from fedfusion.strategies.ams.strategy import CALIBRATIONS, TOP_K, AdaptiveModelSelection
 
-__all__ = ["TOP_K", "AdaptiveModelSelection", "MaxLogitSelector", "max_logit_log_probs"]
+__all__ = ["CALIBRATIONS", "TOP_K", "AdaptiveModelSelection", "MaxLogitSelector",
+           "max_logit_log_probs"]

@@ -17,6 +17,14 @@ MLPs of 1..5 hidden layers): the server builds each client's network from its up
 ``model``/``model-kwargs``. The predictor is a
 :class:`~fedfusion.strategies.ams.predictor.MaxLogitSelector` (saved and loaded like any predictor).
 
+``calibration="temperature"`` (run-config ``ams-calibration``; not in the paper): each model's
+temperature T_j is fitted on the server's validation rows (temperature scaling, Guo et al.
+2017: :func:`~fedfusion.core.calibration.fit_temperature`), its logits become f_j / T_j and
+the selection uses each model's calibrated top probability max_c log softmax(f_j / T_j)_c.
+Raw logits are on each client's own scale, and a client that scales its last layer up, or
+shifts its logits, wins every input; the calibrated selection is invariant to both. Without
+a validation set it falls back to the paper's rule, and the report says so.
+
 Departures: with M > 1 members per client, each member counts as a model of its own (the
 selection runs over all N x M members), since the paper has one model per client. Ties in
 the maximum logit go to the lower (client, member) index.
@@ -24,6 +32,7 @@ the maximum logit go to the lower (client, member) index.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,13 +40,19 @@ from torch import nn
 
 from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.calibration import fit_temperature
+from fedfusion.core.evaluation import predict_log_probs
 from fedfusion.core.predictors import Ensemble
 from fedfusion.strategies.ams.predictor import MaxLogitSelector
 from fedfusion.strategies.ensemble import UniformEnsemble
 from fedfusion.wire import ClientUpload
 
+log = logging.getLogger("fedfusion")
+
 #: ``top_k``'s rule, which the App's ``ams-top-k`` shares
 TOP_K = Constraint(">= 0 (0 = all clients)", lambda v: v >= 0)
+#: how AMS compares the models' confidence: the paper's raw max-logit, or calibrated
+CALIBRATIONS = ("none", "temperature")
 
 
 class AdaptiveModelSelection(UniformEnsemble):
@@ -53,25 +68,45 @@ class AdaptiveModelSelection(UniformEnsemble):
         The members AMS selects among (0 = every member); K > 0 keeps the K members the
         uniform ensemble's ``size`` keeps (picked by greedy ensemble selection of their
         average on the validation set, else member 0 of every client first).
+    calibration : {"none", "temperature"}, default "none"
+        "none": the paper's raw max-logit; "temperature": each model's logits divided by
+        its validation temperature, selected by calibrated top probability (needs the
+        validation set; without one, "none").
     """
 
     name = "ams"
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
-                 top_k: int = 1, **kwargs: Any):
+                 top_k: int = 1, calibration: str = "none", **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         TOP_K.check("top_k", top_k)
-        self.top_k = top_k
+        if calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {calibration!r}")
+        self.top_k, self.calibration = top_k, calibration
         #: the models the last fusion's selector holds
         self.num_models = 0
+        #: each model's validation temperature in the last fusion (None: raw max-logit)
+        self.temperatures: list[float] | None = None
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
         ensemble = super().fuse(uploads)
         assert isinstance(ensemble, Ensemble)
         self.num_models = len(ensemble.members)
-        return MaxLogitSelector(list(ensemble.members), ensemble.specs, self.top_k)
+        self.temperatures = None
+        val = self.context.val
+        if self.calibration == "temperature":
+            if val is not None and len(val):
+                self.temperatures = [
+                    fit_temperature(predict_log_probs(m, val.x, self.context.device), val.y)
+                    for m in ensemble.members]
+            else:
+                log.warning("[ams] calibration 'temperature' needs a validation set; "
+                            "the paper's raw max-logit is used")
+        return MaxLogitSelector(list(ensemble.members), ensemble.specs, self.top_k,
+                                self.temperatures)
 
     def report(self) -> dict[str, Any]:
         return {"top_k": self.top_k, "num_models": self.num_models, "size": self.size,
-                "selection": self.selection,
+                "selection": self.selection, "calibration": self.calibration,
+                "temperatures": self.temperatures,
                 "architectures": sorted({f"{u.model}{u.model_kwargs}" for u in self.uploads})}

@@ -109,6 +109,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.constraints import FINITE_NON_NEGATIVE, FINITE_POSITIVE
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.evaluation import classification_metrics
 from fedfusion.core.normalization import running_stat_layers
@@ -260,6 +261,10 @@ adv_mask, eval_fraction
                pool_batches, generator_width) < 1:
             raise ValueError("dense needs epochs, g_steps, s_steps >= 0, batch_size >= 2, "
                              "latent_dim, pool_batches, generator_width >= 1")
+        FINITE_POSITIVE.check("g_lr", g_lr)
+        FINITE_POSITIVE.check("s_lr", s_lr)
+        FINITE_NON_NEGATIVE.check("adv_weight", adv_weight)
+        FINITE_NON_NEGATIVE.check("act_weight", act_weight)
         self.epochs, self.batch_size, self.latent_dim = epochs, batch_size, latent_dim
         self.g_lr, self.s_lr, self.g_steps, self.s_steps = g_lr, s_lr, g_steps, s_steps
         self.adv_weight, self.act_weight = adv_weight, act_weight

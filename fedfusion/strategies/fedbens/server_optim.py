@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedfusion import cuda_graphs
-from fedfusion.constraints import FINITE_POSITIVE
+from fedfusion.constraints import AT_LEAST_ONE, FINITE_POSITIVE, NON_NEGATIVE
 from fedfusion.core.evaluation import classification_metrics
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.normalization import recalibrate
@@ -85,6 +85,8 @@ class ServerOptimiser:
     graph_captures: int | None = None
 
     def __post_init__(self) -> None:
+        NON_NEGATIVE.check("steps", self.steps)
+        AT_LEAST_ONE.check("eval_every", self.eval_every)
         FINITE_POSITIVE.check("lr", self.lr)
         if self.clip is not None:
             FINITE_POSITIVE.check("clip", self.clip)
