@@ -10,6 +10,7 @@ anything runs, under the very rule the constructor applies.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,13 @@ def one_of(choices: Iterable[str] | Callable[[], Iterable[str]], *,
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real number (numpy's and torch's scalars included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value: Any) -> bool:
+    """An integer (numpy's included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 AT_LEAST_ONE = Constraint(">= 1", lambda v: v >= 1)
@@ -74,9 +81,9 @@ SECONDS = Constraint("> 0 seconds", lambda v: v > 0)
 MOMENTUM = Constraint("a finite number in [0, 1)",
                       lambda v: _number(v) and math.isfinite(v) and 0 <= v < 1)
 #: torch threads: a huge count aborts the process in torch's thread pool, naming nothing
-THREADS = Constraint("an integer in 1..1024", lambda v: 1 <= v <= 1024)
+THREADS = Constraint("an integer in 1..1024", lambda v: is_integer(v) and 1 <= v <= 1024)
 #: a seed: derived seeds (x a constant + an index) stay within torch's 64-bit seeds
-SEED = Constraint("an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+SEED = Constraint("an integer in [0, 2**63)", lambda v: is_integer(v) and 0 <= v < 2**63)
 #: a screening factor or count cap (:mod:`fedfusion.core.screening`): 0 turns it off;
 #: below 1 it would reject the median client itself
 OFF_OR_AT_LEAST_ONE = Constraint("0 (off) or a number >= 1",

@@ -38,6 +38,7 @@ from fedfusion.constraints import (
     OFF_OR_AT_LEAST_ONE,
     SEED,
     Constraint,
+    is_integer,
 )
 from fedfusion.core.architecture import ModelFn, ModelSpec
 from fedfusion.core.diagnostics import client_table, client_timing, run_cost
@@ -70,7 +71,7 @@ from fedfusion.wire import (
 
 #: M, the members a client trains and uploads: at most what an upload may carry
 MEMBERS = Constraint(f"an integer in 1..{MAX_MEMBERS} (the members an upload may carry)",
-                     lambda v: 1 <= v <= MAX_MEMBERS)
+                     lambda v: is_integer(v) and 1 <= v <= MAX_MEMBERS)
 
 log = logging.getLogger("fedfusion")
 
@@ -259,9 +260,10 @@ class Fusion(ABC):
         if val_data is not None and len(val_data) and spec.model_fn is not None:
             # a user's model_fn: what DENSE's generator and PFNM need, from the validation set
             spec.input_shape = spec.input_shape or tuple(val_data.x.shape[1:])
-        self.context = FusionContext(spec, present_device(device, self.name), val_data, seed)
-        MEMBERS.check("num_members", num_members)
         SEED.check("seed", seed)
+        self.context = FusionContext(spec, present_device(device, self.name), val_data,
+                                     int(seed))
+        MEMBERS.check("num_members", num_members)
         AT_LEAST_ONE.check("min_valid_uploads", min_valid_uploads)
         FINITE_NON_NEGATIVE.check("init_perturbation", init_perturbation)
         self.init_perturbation = float(init_perturbation)

@@ -94,7 +94,8 @@ rows.
 **At chance** (:func:`chance_check`): a fused model whose validation accuracy a satisfies
 a <= chance + margin, with chance = max(1/K, the validation set's majority-class rate) and
 margin = max(:data:`CHANCE_MARGIN_MIN`, 2 * sqrt(chance * (1 - chance) / n)) (two standard
-errors of an accuracy measured on n validation rows), is reported as at chance.
+errors of an accuracy measured on n validation rows), is reported as at chance; on so few
+rows that chance + margin >= 1, only a <= chance is (a perfect score is not "at chance").
 """
 
 from __future__ import annotations
@@ -521,5 +522,7 @@ def chance_check(predictor: nn.Module, val: Labelled | None, device: torch.devic
     num_classes = max(num_classes, int(val.y.max()) + 1)
     chance = chance_level(val.y, num_classes)
     margin = chance_margin(chance, len(val))
+    # too few rows for the margin to leave room below 1: only "no better than chance" is said
+    bar = chance + margin if chance + margin < 1 else chance
     return {"accuracy": accuracy, "chance": chance, "margin": margin, "num_rows": len(val),
-            "at_chance": bool(accuracy <= chance + margin)}
+            "at_chance": bool(accuracy <= bar)}

@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="each device's own class mix, Dirichlet(alpha) (default: uniform)")
     p.add_argument("--val-size", type=int, default=500,
                    help="the run's val-size: its validation rows are left out of the files")
-    p.add_argument("--seed", type=int, default=0, help="the run's seed (its validation rows)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the run's split-seed, or its seed when split-seed is -1 (the seed "
+                        "of its validation rows)")
     p = sub.add_parser("check", help="validate a device's file; print its size and histogram")
     p.add_argument("path")
     p.add_argument("--shape", default="1,28,28", help="C,H,W of the run's dataset")

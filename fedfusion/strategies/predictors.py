@@ -16,7 +16,8 @@ from fedfusion.strategies.fens.predictor import AggregatedEnsemble
 #: kind -> predictor class: the uniform ensemble (every model-merging strategy's single model
 #: is an ensemble of one), AMS' selector and FENS' aggregated ensemble
 PREDICTOR_KINDS: Mapping[str, type[Ensemble]] = {
-    cls.kind: cls for cls in (Ensemble, MaxLogitSelector, AggregatedEnsemble)}
+    **{cls.kind: cls for cls in (Ensemble, MaxLogitSelector, AggregatedEnsemble)},
+    MaxLogitSelector.calibrated_kind: MaxLogitSelector}
 
 
 def load_predictor(path: str | Path, device: str | torch.device = "cpu",

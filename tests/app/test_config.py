@@ -259,3 +259,16 @@ def test_build_strategy_passes_the_declared_arguments():
     with pytest.raises(ConfigError, match="strategy 'fedprox': num_examples_cap must be 0"):
         build_strategy(replace(settings, num_examples_cap=0.5),
                        ModelSpec("lenet", (1, 28, 28), 10))
+
+
+def test_library_rules_take_numpy_scalars_and_integer_rules_refuse_floats_and_bools():
+    """numpy scalars are numbers to every rule (np.float32 learning rates were
+    refused once the rules were applied to TrainConfig); an integer rule refuses 1.5 and True
+    instead of failing later in torch's seeding."""
+    assert TrainConfig(lr=np.float32(0.01), momentum=np.float64(0.9)).lr == np.float32(0.01)
+    assert FedAvg(SmallCNN, seed=np.int64(3), num_members=np.int64(2)).context.seed == 3
+    for seed in (1.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            FedAvg(SmallCNN, seed=seed)
+    with pytest.raises(ValueError, match="num_members must be an integer in 1..64"):
+        FedAvg(SmallCNN, num_members=2.0)

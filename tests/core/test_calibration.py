@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from fedfusion.core.calibration import TEMPERATURE_BOUNDS, fit_temperature
+from fedfusion.core.calibration import TEMPERATURE_BOUNDS, fit_temperature, succession_smoothing
 
 
-def nll(logits: torch.Tensor, labels: torch.Tensor, t: float) -> float:
-    return float(torch.nn.functional.cross_entropy(logits.double() / t, labels))
+def nll(logits: torch.Tensor, labels: torch.Tensor, t: float, smoothing: float = 0.0) -> float:
+    return float(torch.nn.functional.cross_entropy(logits.double() / t, labels,
+                                                   label_smoothing=smoothing))
 
 
 def noisy_logits(seed: int, rows: int = 400, classes: int = 7) -> tuple[torch.Tensor, ...]:
@@ -22,15 +23,19 @@ def noisy_logits(seed: int, rows: int = 400, classes: int = 7) -> tuple[torch.Te
     return logits, labels
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_temperature_minimises_the_nll_found_by_a_fine_search(seed):
+@pytest.mark.parametrize(("seed", "smoothing"), [(0, 0.0), (1, 0.0), (2, 0.05)])
+def test_the_temperature_minimises_the_nll_found_by_a_fine_search(seed, smoothing):
+    """Against torch's cross-entropy (label_smoothing spreads e over all K classes, as
+    fit_temperature's smoothed labels do) on a grid."""
     logits, labels = noisy_logits(seed)
-    t = fit_temperature(logits, labels)
+    t = fit_temperature(logits, labels, smoothing)
     grid = torch.logspace(-1, 1, 2001, dtype=torch.float64)
-    nlls = torch.tensor([nll(logits, labels, float(g)) for g in grid], dtype=torch.float64)
+    nlls = torch.tensor([nll(logits, labels, float(g), smoothing) for g in grid],
+                        dtype=torch.float64)
     best = float(grid[nlls.argmin()])
     assert t == pytest.approx(best, rel=2.5e-3)  # the grid's step is 2.3e-3 in log T
-    assert nll(logits, labels, t) <= min(nll(logits, labels, t * f) for f in (0.999, 1.001))
+    assert nll(logits, labels, t, smoothing) <= min(
+        nll(logits, labels, t * f, smoothing) for f in (0.999, 1.001))
 
 
 def test_scaled_or_shifted_logits_get_the_same_calibrated_logits():
@@ -45,6 +50,21 @@ def test_a_perfect_model_and_a_model_worse_than_chance_hit_the_bounds():
     logits, _ = noisy_logits(5)
     assert fit_temperature(logits, logits.argmax(1)) == TEMPERATURE_BOUNDS[0]
     assert fit_temperature(-logits, logits.argmax(1)) == TEMPERATURE_BOUNDS[1]
+
+
+def test_smoothing_by_succession_keeps_a_perfect_model_finite_and_scale_equivariant():
+    """A model right on all 400 rows: the rule of succession (1/402 on the wrong classes)
+    gives it a finite temperature, still scaling with its logits."""
+    logits, _ = noisy_logits(5)
+    smoothing = succession_smoothing(400, 7)
+    assert smoothing * 6 / 7 == pytest.approx(1 / 402)
+    t = fit_temperature(logits, logits.argmax(1), smoothing)
+    assert TEMPERATURE_BOUNDS[0] < t < 1
+    assert fit_temperature(4 * logits, logits.argmax(1), smoothing) == pytest.approx(4 * t,
+                                                                                    rel=1e-9)
+    assert succession_smoothing(10, 1) == 0.0
+    with pytest.raises(ValueError, match="smoothing"):
+        fit_temperature(logits, logits.argmax(1), 1.0)
 
 
 @pytest.mark.parametrize(("logits", "labels", "message"), [

@@ -28,10 +28,12 @@ from torch import nn
 from fedfusion import client, evaluate
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.core.architecture import ModelSpec
+from fedfusion.core.evaluation import as_labelled
 from fedfusion.core.screening import (
     CHANCE_MARGIN_MIN,
     NORM_FLOOR,
     cap_num_examples,
+    chance_check,
     chance_level,
     chance_margin,
     scaled_histogram,
@@ -177,6 +179,25 @@ def test_with_two_clients_nothing_is_screened_and_the_report_says_why(fmnist):
         "2 client(s): the weight-norm screen needs at least 3 to tell an outlier from the "
         "rest; nothing screened")}]
     assert strategy.chance is not None and strategy.chance["at_chance"]
+
+
+@pytest.mark.parametrize(("predicted", "at_chance"), [
+    ([0, 1, 2, 0], False),  # every row right: not "at chance", however few the rows
+    ([0, 0, 0, 0], True),  # the majority class everywhere: chance itself
+])
+def test_on_a_handful_of_validation_rows_only_no_better_than_chance_is_at_chance(predicted,
+                                                                               at_chance):
+    """4 rows (majority rate 0.5): chance + margin reaches 1, so the margin cannot apply;
+    a perfect fused model was once reported at chance."""
+    logits = torch.nn.functional.one_hot(torch.tensor(predicted), 3).float()
+
+    class Fixed(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return logits[x.long().view(-1)]
+
+    val = as_labelled((torch.arange(4.0).view(4, 1), torch.tensor([0, 1, 2, 0])))
+    check = chance_check(Fixed(), val, torch.device("cpu"))
+    assert check["chance"] + check["margin"] >= 1 and check["at_chance"] is at_chance
 
 
 # ------------------------------------------------------------------ (c) no false positives

@@ -17,7 +17,7 @@ from conftest import InProcessGrid
 from fedfusion.app.config import ConfigError, Settings
 from fedfusion.app.federation import federated_split
 from fedfusion.client_app import client_settings, settings_for_node
-from fedfusion.core.calibration import fit_temperature
+from fedfusion.core.calibration import fit_temperature, succession_smoothing
 from fedfusion.core.predictors import ModelSpec, save_predictor
 from fedfusion.server_app import run_server
 from fedfusion.strategies import AdaptiveModelSelection
@@ -188,16 +188,54 @@ def test_calibration_without_a_validation_set_is_the_papers_rule():
 
 
 @pytest.mark.parametrize("temperatures", [[1.0], [1.0, -1.0, 1.0], [1.0, float("nan"), 1.0],
-                                          "1,1,1", [1, 1, 1]])
+                                          [1.0, 1e-40, 1.0], [1.0, 1e300, 1.0], "1,1,1",
+                                          [1, 1, 1], None])
 def test_a_saved_predictor_with_bad_temperatures_is_refused(tmp_path, temperatures):
+    """Temperatures are a list of one float per member within the fit's bounds (1e-40 once
+    loaded and predicted NaN); a calibrated file has its own kind, so a version that does
+    not know temperatures refuses it instead of predicting with the raw rule."""
     predictor = AdaptiveModelSelection(DEPTHS[0], num_clients=3).fuse(
         _cross_architecture_uploads())
-    payload = predictor.to_payload()
+    payload = {**predictor.to_payload(), "kind": "max-logit-calibrated"}
     payload["temperatures"] = temperatures
     path = tmp_path / "bad.pt"
     torch.save(payload, path)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match="temperatures"):
         load_predictor(path)
+    torch.save({**payload, "kind": "max-logit", "temperatures": [1.0, 2.0, 3.0]}, path)
+    with pytest.raises(ValueError, match="'temperatures' belong to kind 'max-logit-calibrated'"):
+        load_predictor(path)
+
+
+def test_a_model_right_on_every_validation_row_does_not_take_over():
+    """Three of four linear clients classify the 3 validation rows perfectly: without
+    smoothing their temperatures would hit the lower bound and the first of them would take
+    every input (a calibrated top probability of exactly 1); the rule of succession keeps
+    their temperatures finite and the selection spread, and the calibrated predictor's NLL
+    stays below the raw rule's."""
+    generator = torch.Generator().manual_seed(0)
+    truth = torch.tensor([[1.0, -1.0, 0.5], [0.5, 1.0, -1.0]])
+    x = torch.randn(2000, 1, 1, 2, generator=generator)
+    y = (x.reshape(-1, 2) @ truth).argmax(1)
+    weights = [truth.T + 0.35 * torch.randn(3, 2, generator=generator) for _ in range(4)]
+    uploads = [linear_upload(c, w.tolist()) for c, w in enumerate(weights)]
+    val, test = (x[:3], y[:3]), (x[1000:], y[1000:])
+    perfect = [bool(((val[0].reshape(-1, 2) @ w.T).argmax(1) == val[1]).all()) for w in weights]
+    assert sum(perfect) >= 2
+    fused = {}
+    for calibration in ("none", "temperature"):
+        strategy = AdaptiveModelSelection(LINEAR, num_clients=4, calibration=calibration,
+                                          val=val, val_screen=False, screen_factor=0)
+        fused[calibration] = (strategy, strategy.fuse_uploads(uploads))
+    strategy, calibrated = fused["temperature"]
+    assert min(strategy.temperatures) > 0.1  # not the bound, 1e-6
+    logits = torch.stack([m(test[0]) for m in calibrated.members]).detach()
+    scaled = logits / torch.tensor(strategy.temperatures)[:, None, None]
+    picked = scaled.log_softmax(2).max(2).values.argmax(0)
+    assert torch.bincount(picked, minlength=4).max() < 0.8 * len(picked)
+    nll = {c: float(torch.nn.functional.nll_loss(p(test[0]), test[1])) for c, (_, p) in
+           fused.items()}
+    assert nll["temperature"] < nll["none"], nll
 
 
 # ----------------------------------------------------------- per-client architectures
@@ -319,8 +357,9 @@ def test_calibrated_ams_on_real_fmnist_is_its_rule_and_beats_raw_ams(
     calibrated = run_server(base.replace(strategy="ams", ams_calibration="temperature",
                                          run_name="re-cal"))
     models, bundle = uploaded_models
+    smoothing = succession_smoothing(len(bundle.val.y), 10)
     with torch.no_grad():
-        temperatures = torch.tensor([fit_temperature(m(bundle.val.x), bundle.val.y)
+        temperatures = torch.tensor([fit_temperature(m(bundle.val.x), bundle.val.y, smoothing)
                                      for m in models])
     stacked, y = uploaded_logits
     scaled = stacked / temperatures[:, None, None]

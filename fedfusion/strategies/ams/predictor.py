@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fedfusion.constraints import FINITE_POSITIVE
+from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.calibration import TEMPERATURE_BOUNDS
 from fedfusion.core.predictors import MAX_PREDICTOR_MEMBERS, Ensemble
 from fedfusion.models import check_int
 
@@ -44,12 +44,20 @@ def max_logit_log_probs(logits: torch.Tensor, top_k: int = 1,
     return torch.log_softmax(chosen.sum(dim=0), dim=-1)
 
 
+#: a member's temperature: what :func:`~fedfusion.core.calibration.fit_temperature` returns
+TEMPERATURE = Constraint(f"in [{TEMPERATURE_BOUNDS[0]:g}, {TEMPERATURE_BOUNDS[1]:g}]",
+                         lambda v: TEMPERATURE_BOUNDS[0] <= v <= TEMPERATURE_BOUNDS[1])
+
+
 class MaxLogitSelector(Ensemble):
     """AMS predictor: per input, the members with the highest max-logit, or with the
     highest calibrated top probability given each member's temperature (see
     :func:`max_logit_log_probs`); members may have different architectures."""
 
     kind = "max-logit"
+    #: the kind saved with temperatures: a version that does not know them refuses the file
+    #: instead of predicting with the raw rule
+    calibrated_kind = "max-logit-calibrated"
 
     def __init__(self, models: Sequence[nn.Module], specs: Sequence[ModelSpec], top_k: int = 1,
                  temperatures: Sequence[float] | None = None):
@@ -62,7 +70,7 @@ class MaxLogitSelector(Ensemble):
                 raise ValueError(f"{len(temperatures)} temperatures for {len(self.members)} "
                                  "members")
             for t in temperatures:
-                FINITE_POSITIVE.check("a temperature", t)
+                TEMPERATURE.check("a temperature", t)
         #: each member's temperature T_j, or None for the raw max-logit rule
         self.temperatures = None if temperatures is None else [float(t) for t in temperatures]
 
@@ -72,7 +80,9 @@ class MaxLogitSelector(Ensemble):
                                    temperatures)
 
     def to_payload(self) -> dict[str, Any]:
-        return {**super().to_payload(), "top_k": self.top_k, "temperatures": self.temperatures}
+        kind = self.kind if self.temperatures is None else self.calibrated_kind
+        return {**super().to_payload(), "kind": kind, "top_k": self.top_k,
+                "temperatures": self.temperatures}
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
@@ -85,11 +95,13 @@ class MaxLogitSelector(Ensemble):
     def check_payload(cls, where: str, payload: Mapping[str, Any]) -> None:
         check_int(where, "top_k", payload.get("top_k"), 0, MAX_PREDICTOR_MEMBERS)
         temperatures = payload.get("temperatures")
-        if temperatures is None:
+        if payload.get("kind") != cls.calibrated_kind:
+            if temperatures is not None:
+                raise ValueError(f"{where}: 'temperatures' belong to kind "
+                                 f"{cls.calibrated_kind!r}, not {payload.get('kind')!r}")
             return
         members = len(payload.get("states") or [])
         if (not isinstance(temperatures, list) or len(temperatures) != members
-                or not all(type(t) is float and math.isfinite(t) and t > 0
-                           for t in temperatures)):
-            raise ValueError(f"{where}: 'temperatures' must be null or a list of one finite "
-                             f"float > 0 per member ({members})")
+                or not all(type(t) is float and TEMPERATURE.ok(t) for t in temperatures)):
+            raise ValueError(f"{where}: 'temperatures' must be a list of one float per member "
+                             f"({members}), each {TEMPERATURE.rule}")

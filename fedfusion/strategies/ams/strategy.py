@@ -19,8 +19,10 @@ MLPs of 1..5 hidden layers): the server builds each client's network from its up
 
 ``calibration="temperature"`` (run-config ``ams-calibration``; not in the paper): each model's
 temperature T_j is fitted on the server's validation rows (temperature scaling, Guo et al.
-2017: :func:`~fedfusion.core.calibration.fit_temperature`), its logits become f_j / T_j and
-the selection uses each model's calibrated top probability max_c log softmax(f_j / T_j)_c.
+2017: :func:`~fedfusion.core.calibration.fit_temperature`, the labels smoothed by the rule
+of succession so that a model right on every row is not taken as certain), its logits
+become f_j / T_j and the selection uses each model's calibrated top probability
+max_c log softmax(f_j / T_j)_c.
 Raw logits are on each client's own scale, and a client that scales its last layer up, or
 shifts its logits, wins every input; the calibrated selection is invariant to both. Without
 a validation set it falls back to the paper's rule, and the report says so.
@@ -40,7 +42,7 @@ from torch import nn
 
 from fedfusion.constraints import Constraint
 from fedfusion.core.architecture import ModelFn, ModelSpec
-from fedfusion.core.calibration import fit_temperature
+from fedfusion.core.calibration import fit_temperature, succession_smoothing
 from fedfusion.core.evaluation import predict_log_probs
 from fedfusion.core.predictors import Ensemble
 from fedfusion.strategies.ams.predictor import MaxLogitSelector
@@ -96,9 +98,10 @@ class AdaptiveModelSelection(UniformEnsemble):
         val = self.context.val
         if self.calibration == "temperature":
             if val is not None and len(val):
-                self.temperatures = [
-                    fit_temperature(predict_log_probs(m, val.x, self.context.device), val.y)
-                    for m in ensemble.members]
+                logits = [predict_log_probs(m, val.x, self.context.device)
+                          for m in ensemble.members]
+                smoothing = succession_smoothing(len(val), logits[0].shape[-1])
+                self.temperatures = [fit_temperature(f, val.y, smoothing) for f in logits]
             else:
                 log.warning("[ams] calibration 'temperature' needs a validation set; "
                             "the paper's raw max-logit is used")
