@@ -566,13 +566,13 @@ class Settings:
         0,
         doc=("FedBEns with `fedbens-starts=clustered`: the number of runs K (0 = 2 x the most "
              "members a client uploaded)"),
-        valid=">= 0",
+        valid="0..10000",
         check=NUM_STARTS, strategy=(("fedbens", "num_starts"),))
     fedbens_modes: int = knob(
         0,
         doc=("FedBEns: keep the first N runs (their modes form the ensemble); 0 = all; 1 = one "
              "model (paper Table 7)"),
-        valid=">= 0",
+        valid="0..10000",
         check=MODES, strategy=(("fedbens", "modes"),))
     fedbens_prediction: str = knob(
         "selected",
@@ -615,12 +615,12 @@ class Settings:
     dense_batch_size: int = knob(
         256,
         doc="DENSE: synthetic batch size",
-        valid=">= 2 **[start]**",
+        valid="2..65536 **[start]**",
         strategy=(("dense", "batch_size"), ("co-boosting", "batch_size")))
     dense_latent_dim: int = knob(
         256,
         doc="DENSE: generator noise dimension",
-        valid=">= 1 **[start]**",
+        valid="1..65536 **[start]**",
         strategy=(("dense", "latent_dim"), ("co-boosting", "latent_dim")))
     dense_g_lr: float = knob(
         0.001,
@@ -708,7 +708,7 @@ class Settings:
         0,
         doc=("FENS: width of the aggregator's shallow network over the concatenated outputs (`0` "
              "= the per-model class weights alone)"),
-        valid=">= 0 **[start]**",
+        valid="0..65536 **[start]**",
         strategy=(("fens", "hidden"),))
     fens_rounds: int = knob(
         100,

@@ -248,6 +248,25 @@ def test_start_checked_keys_are_refused_when_the_strategy_is_built(strategy, key
         build_strategy(settings, ModelSpec("lenet", (1, 28, 28), 10))
 
 
+@pytest.mark.parametrize(("values", "message"), [
+    ({"strategy": "fens", "fens-hidden": 10**12}, "hidden must be at most 65536"),
+    ({"strategy": "dense", "dense-latent-dim": 10**12}, r"latent_dim, generator_width <= 65536"),
+    ({"strategy": "co-boosting", "dense-batch-size": 65_537}, r"batch_size, latent_dim"),
+])
+def test_absurd_sizes_are_refused_when_the_strategy_is_built(values, message):
+    """A typo of a width or batch size is refused by name at start, not met with a
+    MemoryError (or a machine swapping) once the clients have trained."""
+    with pytest.raises(ConfigError, match=message):
+        build_strategy(Settings.from_mapping(values), ModelSpec("lenet", (1, 28, 28), 10))
+
+
+@pytest.mark.parametrize("key", ["fedbens-num-starts", "fedbens-modes"])
+def test_run_counts_are_bounded(key):
+    assert Settings.from_mapping({key: 10_000}).to_mapping()[key] == 10_000
+    with pytest.raises(ConfigError, match=f"'{key}' must be in 0..10000"):
+        Settings.from_mapping({key: 10**9})
+
+
 def test_build_strategy_passes_the_declared_arguments():
     """The keys declared as every strategy's arguments reach the constructor, by name."""
     settings = Settings(strategy="fedprox", screen_factor=5.0, round_timeout=7.0, num_members=2,

@@ -126,6 +126,9 @@ from fedfusion.synthesis import (
 )
 from fedfusion.wire import WEIGHTS, ClientUpload
 
+#: bounds on the synthetic batch, noise and generator widths, and the pool (pool_batches
+#: batches of synthetic images are kept): a typo must not allocate without end
+MAX_SIZE, MAX_POOL = 65_536, 1_000
 log = logging.getLogger("fedfusion")
 
 STATS_TERMS = ("auto", "bn", "input", "act", "none")
@@ -261,6 +264,10 @@ adv_mask, eval_fraction
                pool_batches, generator_width) < 1:
             raise ValueError("dense needs epochs, g_steps, s_steps >= 0, batch_size >= 2, "
                              "latent_dim, pool_batches, generator_width >= 1")
+        if max(batch_size, latent_dim, generator_width) > MAX_SIZE or pool_batches > MAX_POOL:
+            raise ValueError(f"dense needs batch_size, latent_dim, generator_width <= {MAX_SIZE} "
+                             f"and pool_batches <= {MAX_POOL}, got {batch_size}, {latent_dim}, "
+                             f"{generator_width}, {pool_batches}")
         FINITE_POSITIVE.check("g_lr", g_lr)
         FINITE_POSITIVE.check("s_lr", s_lr)
         FINITE_NON_NEGATIVE.check("adv_weight", adv_weight)

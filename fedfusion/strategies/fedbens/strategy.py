@@ -68,9 +68,12 @@ STARTS = ("auto", "median", "mean", "members", "clustered")
 CLUSTERED_RUNS_PER_MEMBER = 2
 #: the rules of the run-count arguments, which the App's keys for them share
 PATIENCE = Constraint(">= 0 (0 = run every step)", lambda v: v >= 0)
-NUM_STARTS = Constraint(f">= 0 (0 = {CLUSTERED_RUNS_PER_MEMBER} x the members per client)",
-                        lambda v: v >= 0)
-MODES = Constraint(">= 0 (0 = every run)", lambda v: v >= 0)
+#: runs are optimised side by side, R copies of the model: a bound keeps a typo from
+#: allocating without end
+MAX_RUNS = 10_000
+NUM_STARTS = Constraint(f"in 0..{MAX_RUNS} (0 = {CLUSTERED_RUNS_PER_MEMBER} x the members per "
+                        "client)", lambda v: 0 <= v <= MAX_RUNS)
+MODES = Constraint(f"in 0..{MAX_RUNS} (0 = every run)", lambda v: 0 <= v <= MAX_RUNS)
 #: what FedBEns predicts with (see ``prediction``)
 PREDICTIONS = ("selected", "modes")
 

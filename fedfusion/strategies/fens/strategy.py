@@ -68,6 +68,8 @@ from fedfusion.strategies.fens.training import (
 )
 from fedfusion.wire import ClientUpload, encode_models
 
+#: the widest aggregator hidden layer FENS builds (a typo must not allocate without end)
+MAX_HIDDEN = 65_536
 log = logging.getLogger("fedfusion")
 
 #: the train-config key of round 1 by which the server asks the clients to hold rows out
@@ -131,6 +133,8 @@ class FENS(FusionStrategy):
         if hidden < 0 or rounds < 0 or patience < 0:
             raise ValueError(f"hidden, rounds and patience must be >= 0, got {hidden}, "
                              f"{rounds}, {patience}")
+        if hidden > MAX_HIDDEN:  # the aggregator's (K x classes) x hidden layer
+            raise ValueError(f"hidden must be at most {MAX_HIDDEN}, got {hidden}")
         self.holdout_fraction, self.hidden = float(holdout_fraction), int(hidden)
         self.rounds, self.patience = int(rounds), int(patience)
         self.server_optimizer = ServerOptimizer(server_optimizer, server_lr)
