@@ -47,6 +47,8 @@ class FedAvg(FusionStrategy):
                  weighted_by_key: str = "num-examples", **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         self.weighted_by_key = weighted_by_key
+        #: clients whose capped metric this fusion has logged (once, not once per member)
+        self._logged_caps: set[int] = set()
 
     def check_upload(self, upload: ClientUpload) -> None:
         """The architecture (as every strategy) and, with a ``weighted_by_key`` metric, its
@@ -75,7 +77,8 @@ class FedAvg(FusionStrategy):
             return weights
         capped = capped_weights(weights, self.num_examples_cap)
         for upload, weight, kept in zip(holders, weights, capped, strict=True):
-            if kept < weight:
+            if kept < weight and upload.client_id not in self._logged_caps:
+                self._logged_caps.add(upload.client_id)
                 log.warning("[%s] client %d: metric %r = %.4g is above %g x the others' "
                             "median; weighted as %.4g", self.name, upload.client_id,
                             self.weighted_by_key, weight, self.num_examples_cap, kept)
@@ -87,6 +90,7 @@ class FedAvg(FusionStrategy):
                                 self.client_weights(holders))
 
     def fuse(self, uploads: Sequence[ClientUpload]) -> nn.Module:
+        self._logged_caps.clear()
         num_members = max(u.num_members for u in uploads)
         spec = self.context.model_spec
         averages = []

@@ -1,6 +1,7 @@
 """FedAvg and the uniform ensemble: the math, the Message API round, bad clients, replay."""
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -61,6 +62,19 @@ def test_fedavg_by_a_metric_caps_it_as_counts_are_capped():
         np.testing.assert_allclose(fused[name].numpy(), expected, rtol=1e-5, atol=1e-6)
     uncapped = FedAvg(SPEC, num_clients=3, weighted_by_key="my-weight", num_examples_cap=0)
     assert uncapped.client_weights(uploads) == [1.0, 1.0, 1e9]
+
+
+def test_a_capped_metric_is_logged_once_a_fusion_not_once_a_member(caplog):
+    uploads = [make_upload(i, members=3, seed=i) for i in range(3)]
+    for upload, weight in zip(uploads, (1.0, 1.0, 1e9), strict=True):
+        upload.metrics["my-weight"] = weight
+    strategy = FedAvg(SPEC, num_clients=3, num_members=3, weighted_by_key="my-weight",
+                      screen_factor=0, member_fusion="each")  # 3 averages, one per member
+    for fusion in (1, 2):
+        with caplog.at_level(logging.WARNING, logger="fedfusion"):
+            strategy.fuse_uploads(uploads)
+        capped = [r for r in caplog.records if "metric 'my-weight' = 1e+09" in r.getMessage()]
+        assert len(capped) == fusion, [r.getMessage() for r in capped]
 
 
 def test_fedavg_of_identical_clients_is_that_client():
