@@ -20,7 +20,6 @@ the file and the problem.
 
 from __future__ import annotations
 
-import math
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedfusion.constraints import FINITE_POSITIVE
 from fedfusion.datasets.loading import ImageData
 from fedfusion.datasets.loading import normalise as normalise_pixels
 from fedfusion.wire.npy import NPZ_READ_ERRORS, ZIP_COMPRESSIONS, npy_layout, read_npy
@@ -179,8 +179,8 @@ def write_demo_files(folder: str | Path, devices: int, samples: int, dataset: st
 
     if devices < 1 or samples < 1:
         raise ValueError(f"need devices >= 1 and samples >= 1, got {devices} and {samples}")
-    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
+    if alpha is not None:
+        FINITE_POSITIVE.check("alpha", alpha)
     images, labels = load_raw(dataset, Path(data_dir).expanduser() if data_dir else None)["train"]
     free, _ = holdout_indices(len(labels), val_size, seed)  # not the server's validation rows
     if devices * samples > len(free):
