@@ -401,6 +401,15 @@ def test_a_residual_group_is_aligned_on_its_input_aligned_producers():
     assert_state(fused.members[0], original)
 
 
+def aligned_average(states: list[dict], sizes: tuple[float, ...], reference: dict,
+                    structure) -> dict[str, np.ndarray]:
+    """OTFusion by hand: every state aligned to ``reference`` by its weights, then averaged
+    with ``sizes`` as weights (float64)."""
+    aligned = [align(s, structure, weight_cost(reference, structure))[0] for s in states]
+    return {key: sum(n * a[key].astype(np.float64) for n, a in zip(sizes, aligned, strict=True))
+            / sum(sizes) for key in reference}
+
+
 @pytest.mark.parametrize("name", ["convnet", "resnet"])
 def test_fusion_is_the_weighted_average_of_the_aligned_clients(name):
     spec = ALL_SPECS[name]
@@ -410,15 +419,14 @@ def test_fusion_is_the_weighted_average_of_the_aligned_clients(name):
                                                                      strict=True))]
     fused = OTFusion(spec, num_clients=3).fuse(uploads).members[0].state_dict()
     reference = states[1]  # the largest client
-    aligned = [align(s, structure, weight_cost(reference, structure))[0] for s in states]
-    assert all(np.array_equal(aligned[1][k], reference[k]) for k in reference)
+    aligned = align(reference, structure, weight_cost(reference, structure))[0]
+    assert all(np.array_equal(aligned[k], reference[k]) for k in reference)
+    expected = aligned_average(states, (100, 300, 200), reference, structure)
     for key in reference:
         if reference[key].dtype.kind == "i":  # num_batches_tracked: the reference's
             assert np.array_equal(fused[key].numpy(), reference[key]), key
             continue
-        expected = (100 * aligned[0][key].astype(np.float64) + 300 * reference[key]
-                    + 200 * aligned[2][key]) / 600
-        np.testing.assert_allclose(fused[key].numpy(), expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(fused[key].numpy(), expected[key], rtol=1e-6, atol=1e-7)
 
 
 class InputResidual(nn.Module):
@@ -632,13 +640,11 @@ def test_clients_from_different_inits_fuse_far_better_than_fedavg(distinct_init_
     gap = prediction_gap(predictor, client0_model(spec, uploads), test[0])
     assert gap > DIFFERS, gap
     if mode == "weights":
-        structure = structure_of(spec)
-        reference = uploads[0].weights()  # every client holds 600 rows: the lowest id
-        aligned = [align(u.weights(), structure, weight_cost(reference, structure))[0]
-                   for u in uploads]
+        # every client holds 600 rows: the reference is the lowest id
+        expected = aligned_average([u.weights() for u in uploads], (1, 1, 1),
+                                   uploads[0].weights(), structure_of(spec))
         for key, value in predictor.members[0].state_dict().items():
-            expected = sum(a[key].astype(np.float64) for a in aligned) / 3
-            np.testing.assert_allclose(value.numpy(), expected, rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(value.numpy(), expected[key], rtol=1e-5, atol=1e-6,
                                        err_msg=key)
     moved = strategy.report()["members"][0]["moved_neurons"]
     assert all(count > 30 for counts in moved.values() for count in counts), moved
