@@ -97,68 +97,57 @@ def _conv_side(model: str, input_shape: tuple[int, int, int], side: int, least: 
     return side
 
 
+class _TwoConvNet(nn.Module):
+    """Bias-free conv5(C->c1), ReLU, pool2, conv5(c1->c2), ReLU, pool2, then
+    fc ->f1->f2->K with ReLUs (``widths`` = (c1, c2, f1, f2)): LeNet's and CNN's shape."""
+
+    def __init__(self, name: str, input_shape: tuple[int, int, int], num_classes: int,
+                 widths: tuple[int, int, int, int]):
+        super().__init__()
+        channels, height, width = _image_input(name, input_shape)
+        _check_classes(name, num_classes)
+        c1, c2, f1, f2 = widths
+        sides = [_conv_side(name, input_shape, _conv_out(_conv_out(side, 5), 5), 16)
+                 for side in (height, width)]
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, c1, 5, bias=False),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 5, bias=False),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(c2 * sides[0] * sides[1], f1, bias=False),
+            nn.ReLU(),
+            nn.Linear(f1, f2, bias=False),
+            nn.ReLU(),
+            nn.Linear(f2, num_classes, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 @register_model("lenet")
-class LeNet(nn.Module):
+class LeNet(_TwoConvNet):
     """Bias-free LeNet-5: conv5(C->6), pool, conv5(6->16), pool, fc 256->120->84->K.
 
     44,190 parameters on 1x28x28 inputs.
     """
 
     def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10):
-        super().__init__()
-        channels, height, _ = _image_input("lenet", input_shape)
-        _check_classes("lenet", num_classes)
-        side = _conv_side("lenet", input_shape, _conv_out(_conv_out(height, 5), 5), 16)
-        self.features = nn.Sequential(
-            nn.Conv2d(channels, 6, 5, bias=False),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, 5, bias=False),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-        )
-        self.classifier = nn.Sequential(
-            nn.Linear(16 * side * side, 120, bias=False),
-            nn.ReLU(),
-            nn.Linear(120, 84, bias=False),
-            nn.ReLU(),
-            nn.Linear(84, num_classes, bias=False),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        super().__init__("lenet", input_shape, num_classes, (6, 16, 120, 84))
 
 
 @register_model("cnn")
-class CNN(nn.Module):
+class CNN(_TwoConvNet):
     """Bias-free CNN of Wang et al. (2020): conv5(C->32), pool, conv5(32->64), pool,
     fc 1600->512->128->K. 939,616 parameters on 3x32x32 inputs."""
 
     def __init__(self, input_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10):
-        super().__init__()
-        channels, height, _ = _image_input("cnn", input_shape)
-        _check_classes("cnn", num_classes)
-        side = _conv_side("cnn", input_shape, _conv_out(_conv_out(height, 5), 5), 16)
-        self.features = nn.Sequential(
-            nn.Conv2d(channels, 32, 5, bias=False),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, bias=False),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-        )
-        self.classifier = nn.Sequential(
-            nn.Linear(64 * side * side, 512, bias=False),
-            nn.ReLU(),
-            nn.Linear(512, 128, bias=False),
-            nn.ReLU(),
-            nn.Linear(128, num_classes, bias=False),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        super().__init__("cnn", input_shape, num_classes, (32, 64, 512, 128))
 
 
 @register_model("mlp")
@@ -218,10 +207,10 @@ class ConvNet(nn.Module):
 
     def __init__(self, input_shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10):
         super().__init__()
-        channels, height, _ = _image_input("convnet", input_shape)
+        channels, height, width = _image_input("convnet", input_shape)
         _check_classes("convnet", num_classes)
-        side = _conv_side("convnet", input_shape, _conv_out(_conv_out(height, 3), 3, pool=2) - 2,
-                          18)
+        sides = [_conv_side("convnet", input_shape, _conv_out(_conv_out(side, 3), 3) - 2, 18)
+                 for side in (height, width)]
         self.features = nn.Sequential(
             nn.Conv2d(channels, 32, 3),
             nn.ReLU(),
@@ -234,7 +223,7 @@ class ConvNet(nn.Module):
             nn.Flatten(),
         )
         self.classifier = nn.Sequential(
-            nn.Linear(64 * side * side, 64),
+            nn.Linear(64 * sides[0] * sides[1], 64),
             nn.ReLU(),
             nn.Linear(64, num_classes),
         )

@@ -29,6 +29,14 @@ def test_every_model_maps_images_to_logits(name):
     assert build_model(name, shape, 7)(torch.randn(5, *shape)).shape == (5, 7)
 
 
+@pytest.mark.parametrize("name", ["lenet", "cnn", "convnet", "bn_cnn", "resnet20", "mlp"])
+@pytest.mark.parametrize("shape", [(1, 28, 40), (3, 36, 24)], ids=["28x40", "36x24"])
+def test_image_models_take_non_square_inputs(name, shape):
+    """The flattened size follows height and width (LeNet, CNN and ConvNet once sized their
+    first linear layer from the height alone, so a 28x40 image failed at the first batch)."""
+    assert build_model(name, shape, 7).eval()(torch.randn(2, *shape)).shape == (2, 7)
+
+
 def test_mlp_depth_is_configurable():
     linear = [m for m in build_model("mlp", (1, 28, 28), 10, hidden_layers=4).modules()
               if isinstance(m, torch.nn.Linear)]
