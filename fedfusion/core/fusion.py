@@ -214,6 +214,9 @@ class Fusion(ABC):
     #: :data:`fedfusion.core.model_check.REQUIREMENTS`
     requirement_checks: ClassVar[Mapping[str, Requirement]] = {}
 
+    #: True where :meth:`fuse` applies the ``norm_stats`` rule itself (RegMean scores each
+    #: candidate with the statistics it will keep) and sets :attr:`recalibrated_layers`
+    applies_norm_stats: ClassVar[bool] = False
     #: False where the predictor is finished later than :meth:`fuse` (FENS' aggregator
     #: rounds), which then distils it itself
     distils_after_fuse: ClassVar[bool] = True
@@ -412,7 +415,8 @@ class Fusion(ABC):
         start = time.perf_counter()
         with torch.enable_grad():  # the server's optimisations, whatever the caller's mode
             self.predictor = self.fuse(uploads)
-            self.recalibrated_layers = self._apply_norm_stats(self.predictor)
+            if not self.applies_norm_stats:
+                self.recalibrated_layers = self._apply_norm_stats(self.predictor)
             if self.distill_options.mode != "none" and self.distils_after_fuse:
                 self.distill_teacher, self.predictor = self.predictor, self._distil(
                     self.predictor, uploads)

@@ -140,6 +140,7 @@ class RegMean(FusionStrategy):
     """
 
     name = "regmean"
+    applies_norm_stats = True
     required_sections = (WEIGHTS, GRAM)
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
@@ -243,9 +244,9 @@ class RegMean(FusionStrategy):
                 states.append(state)
                 ridges.update({f"m{m}/{k}": v for k, v in member_ridges.items() if v})
             predictor = Ensemble([spec.build(s) for s in states], [spec] * num_members)
+            recalibrated = self._apply_norm_stats(predictor)  # scored with what it will keep
             entry: dict[str, Any] = {"alpha": alpha, "ridged_layers": ridges}
             if val is not None:
-                self._apply_norm_stats(predictor)  # scored with the statistics it will keep
                 metrics = evaluate(predictor, val.x, val.y, self.context.device)
                 entry["val_accuracy"] = metrics["accuracy"]
                 entry["val_nll"] = metrics["nll"]
@@ -257,6 +258,7 @@ class RegMean(FusionStrategy):
             results.append(entry)
             if best is None or score > best[0]:
                 best = (score, alpha, predictor)
+                self.recalibrated_layers = recalibrated
         assert best is not None
         merged = {n for name, (_, bias) in self.linear_layers().items() for n in (name, bias)}
         self._report = {"alphas": results, "chosen_alpha": best[1],

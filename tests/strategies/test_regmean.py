@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedfusion.core import fusion as fusion_module
 from fedfusion.core.evaluation import evaluate
 from fedfusion.core.fusion import FusionContext
 from fedfusion.core.predictors import ModelSpec
@@ -454,10 +455,15 @@ def test_gram_layers_cover_every_weight_of_the_zoo():
         assert set(gram_layers(model)) == weights
 
 
-def test_alpha_is_chosen_with_the_batchnorm_statistics_the_fused_model_keeps():
+def test_alpha_is_chosen_with_the_batchnorm_statistics_the_fused_model_keeps(monkeypatch):
     """With norm_stats="recalibrate" each candidate alpha is scored after its BatchNorm
     statistics are re-estimated on the validation inputs, as the chosen model keeps them:
-    the chosen alpha's reported validation accuracy is the final predictor's."""
+    the chosen alpha's reported validation accuracy is the final predictor's, and the
+    statistics are estimated once per candidate (not again for the chosen one)."""
+    calls = []
+    original = fusion_module.recalibrate
+    monkeypatch.setattr(fusion_module, "recalibrate",
+                        lambda model, x: calls.append(model) or original(model, x))
     spec = ModelSpec("BNCNN", (1, 6, 6), 3, model_fn=BNCNN)
     clients = [norm_client(spec, c, 40) for c in range(2)]
     torch.manual_seed(11)
@@ -471,6 +477,7 @@ def test_alpha_is_chosen_with_the_batchnorm_statistics_the_fused_model_keeps():
     chosen = next(e for e in report["alphas"] if e["alpha"] == report["chosen_alpha"])
     final = evaluate(predictor, x, y)
     assert strategy.recalibrated_layers == 2
+    assert len(calls) == 3  # one member per candidate alpha, each estimated once
     assert chosen["val_accuracy"] == pytest.approx(final["accuracy"], abs=1e-12)
     assert chosen["val_nll"] == pytest.approx(final["nll"], rel=1e-6)
 
