@@ -202,6 +202,63 @@ def test_plain_flower_reply_and_broadcast_get_errors_that_teach(fmnist):
         client.broadcast_states(RecordDict({"arrays": ArrayRecord(UserNet().state_dict())}))
 
 
+def test_a_flower_tutorial_client_reading_the_broadcast_is_told_how_to_read_it(fmnist):
+    """A ClientApp that loads ``msg.content["arrays"]`` into its model as Flower's tutorials
+    do fails on the ``"<m>/<param>"`` keys: its exclusion names the helper that reads them."""
+    tutorial = ClientApp()
+
+    @tutorial.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = UserNet()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        x, y = fmnist[f"client{context.node_config['partition-id']}"]
+        return client.reply(msg, [model], x, y)
+
+    strategy = FedAvg(UserNet, num_clients=2)
+    with pytest.raises(RuntimeError, match="0 valid upload"):
+        strategy.start(LocalGrid(tutorial, 2))
+    reason = strategy.exclusions[0]["reason"]
+    assert 'Unexpected key(s) in state_dict: "0/' in reason
+    assert "read it with fedfusion.client.initial_models(msg, model_fn)" in reason
+
+
+def test_start_refuses_rounds_and_members_it_cannot_honour(fmnist):
+    """A one-shot strategy refuses num_rounds > 1 (it would send every client all fused
+    members as the next round's start), and one plain initial model refuses num_members > 1
+    (it would silently train one member), each before anything is sent."""
+    app = user_client_app(fmnist)
+    for one_shot in (UniformEnsemble(UserNet, num_clients=3), AdaptiveModelSelection(
+            UserNet, num_clients=3), RegMean(UserNet, num_clients=3),
+            FedBEns(UserNet, num_clients=3)):
+        with pytest.raises(ValueError, match=rf"{one_shot.name} is one-shot.*got 2"):
+            one_shot.start(LocalGrid(app, 3), num_rounds=2)
+        assert one_shot.uploads == [] and one_shot.predictor is None
+    strategy = FedBEns(UserNet, num_clients=3, num_members=3)
+    with pytest.raises(ValueError, match="one model's state_dict but num_members=3"):
+        strategy.start(LocalGrid(app, 3), initial_arrays=ArrayRecord(UserNet().state_dict()))
+    assert strategy.uploads == []
+
+
+def test_evaluate_fn_gets_one_model_as_flower_strategies_give_it(fmnist):
+    """``evaluate_fn`` written for Flower's FedAvg (``arrays.to_torch_state_dict()`` loaded
+    into the model) works on fedfusion's FedAvg, at round 0 and after every round, and sees
+    the model the round fused."""
+    x_test, y_test = fmnist["test"]
+    accuracies = {}
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> None:
+        model = UserNet()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        accuracies[server_round] = evaluate(model, x_test, y_test)["accuracy"]
+
+    strategy = FedAvg(UserNet, num_clients=3)
+    result = strategy.start(LocalGrid(user_client_app(fmnist), 3), num_rounds=2,
+                            evaluate_fn=evaluate_fn)
+    assert sorted(accuracies) == [0, 1, 2]
+    assert accuracies[0] < 0.2 < accuracies[2]  # untrained, then trained
+    assert accuracies[2] == pytest.approx(evaluate(result.predictor, x_test, y_test)["accuracy"])
+
+
 def untrained_client_app(data: dict, client_id: int | None = None) -> ClientApp:
     """Replies at once with the broadcast models (as its own ``client_id`` where given)."""
     app = ClientApp()

@@ -52,10 +52,13 @@ BackPack), so a fit is reproducible and the global RNG is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,9 +105,22 @@ def import_laplace() -> float:
     if "laplace" in sys.modules:
         return 0.0
     start = time.perf_counter()
-    import laplace  # noqa: F401
+    with quiet_laplace():
+        import laplace  # noqa: F401
 
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def quiet_laplace() -> Iterator[None]:
+    """laplace-torch's import and fits without the two FutureWarnings torch 2.14 raises for
+    what its dependencies use (``torch.jit.script``; ASDL's non-full backward hooks, once per
+    layer and fit: its diagonal still equals the exact GGN's, tests/curvature/
+    test_attention.py); the caller's warning filters are restored after."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script` is deprecated", FutureWarning)
+        warnings.filterwarnings("ignore", "Using a non-full backward hook", FutureWarning)
+        yield
 
 
 def uses_laplace(model: nn.Module, structure: str, backend: str = DEFAULT_BACKEND,
@@ -155,26 +171,27 @@ def _laplace(
 ) -> Any:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    from laplace import Laplace, curvature
+    with quiet_laplace():
+        from laplace import Laplace, curvature
 
-    class_name, backend_kwargs = BACKENDS[backend]
-    backend_cls = getattr(curvature, class_name)
-    la = Laplace(
-        model,
-        "classification",
-        prior_precision=1.0 / prior_var,
-        temperature=temperature,
-        backend=backend_cls,
-        backend_kwargs=dict(backend_kwargs),
-        **kwargs,
-    )
-    if accelerate and backend.startswith("asdl"):
-        from fedfusion.accel.asdl_speedup import patched
+        class_name, backend_kwargs = BACKENDS[backend]
+        backend_cls = getattr(curvature, class_name)
+        la = Laplace(
+            model,
+            "classification",
+            prior_precision=1.0 / prior_var,
+            temperature=temperature,
+            backend=backend_cls,
+            backend_kwargs=dict(backend_kwargs),
+            **kwargs,
+        )
+        if accelerate and backend.startswith("asdl"):
+            from fedfusion.accel.asdl_speedup import patched
 
-        with patched():  # conv K-FAC factors without a transposed copy of the batch
+            with patched():  # conv K-FAC factors without a transposed copy of the batch
+                la.fit(loader)
+        else:
             la.fit(loader)
-    else:
-        la.fit(loader)
     return la
 
 

@@ -61,7 +61,15 @@ class ClientError:
             self.type or self.message)
         if self.causes:
             head += f" (caused by {self.causes[0]})"
+        if _PLAIN_BROADCAST_READ.search(self.message):
+            head += ("; the broadcast holds every member as '<m>/<param>': read it with "
+                     "fedfusion.client.initial_models(msg, model_fn)")
         return head
+
+
+#: torch's error when a plain ``load_state_dict`` reads fedfusion's ``"<m>/<param>"``
+#: broadcast (Flower's own examples load ``msg.content["arrays"]`` that way)
+_PLAIN_BROADCAST_READ = re.compile(r'Unexpected key\(s\) in state_dict: "\d+/')
 
 
 def _links(traceback: str) -> list[tuple[str, str]]:

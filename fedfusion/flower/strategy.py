@@ -14,6 +14,7 @@ the reason recorded in :attr:`exclusions`; the round goes on with the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -195,15 +196,31 @@ class FusionStrategy(Fusion, Strategy):
         """Flower's ``Strategy.start`` with fedfusion's defaults: one round, the strategy's
         own seeded initial models (:meth:`initial_models`) unless ``initial_arrays`` is given
         (fedfusion's ``"<m>/<param>"`` broadcast, or a plain ``ArrayRecord`` of one model's
-        ``state_dict``), and ``round_timeout`` as the timeout. Returns a :class:`FusionResult`:
-        a one-model fusion as a plain ``state_dict`` record, the predictor beside it."""
+        ``state_dict``), and ``round_timeout`` as the timeout. ``evaluate_fn`` gets what
+        :class:`FusionResult` holds: one model as a plain ``state_dict`` record (Flower's
+        ``arrays.to_torch_state_dict()`` loads it), several as ``"<m>/<param>"``. Returns a
+        :class:`FusionResult`: a one-model fusion as a plain ``state_dict`` record, the
+        predictor beside it. A one-shot strategy (:attr:`one_shot_only`) refuses
+        ``num_rounds > 1``."""
+        if self.one_shot_only and num_rounds > 1:
+            raise ValueError(f"{self.name} is one-shot: it fuses once, so num_rounds must be 1, "
+                             f"got {num_rounds} (FedAvg, FedProx, FedFisher, Fisher merging "
+                             "and SWA take several rounds)")
         if initial_arrays is None:
             initial_arrays = encode_models(self.initial_models())
         elif initial_arrays and not all("/" in key for key in initial_arrays):
             # a plain Flower ArrayRecord(model.state_dict()): one model, member 0
+            if self.num_members > 1:
+                raise ValueError(
+                    f"initial_arrays is one model's state_dict but num_members="
+                    f"{self.num_members}: pass the {self.num_members} initial models as "
+                    "fedfusion.wire.encode_models([...]), or leave initial_arrays out for the "
+                    "strategy's own seeded ones")
             initial_arrays = encode_models([{k: a.numpy() for k, a in initial_arrays.items()}])
         if not getattr(grid, "streams_replies", False):
             grid = StreamingGrid(grid)
+        if evaluate_fn is not None:
+            evaluate_fn = functools.partial(_evaluate_plain, evaluate_fn)
         result = super().start(grid, initial_arrays, num_rounds,
                                timeout=self.round_timeout if timeout is None else timeout,
                                train_config=train_config, evaluate_config=evaluate_config,
@@ -429,3 +446,11 @@ class FusionStrategy(Fusion, Strategy):
                  self.num_clients, self.num_members,
                  [*self.required_sections, *self.extra_sections])
 
+
+def _evaluate_plain(evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
+                    server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    """``evaluate_fn`` called as Flower's strategies call it: a broadcast of one model
+    (``"0/<param>"`` keys only) is passed as that model's plain ``state_dict`` record."""
+    if arrays and all(key.startswith("0/") for key in arrays):
+        arrays = ArrayRecord({key[2:]: array for key, array in arrays.items()})
+    return evaluate_fn(server_round, arrays)

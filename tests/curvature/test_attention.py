@@ -16,6 +16,7 @@ RegMean's Gram (:mod:`fedfusion.capture`).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -308,3 +309,47 @@ def test_curvature_blocks_per_structure_and_the_summary_line(capsys):
                    "strategy_report": {"curvature_blocks": kron}})
     line = next(x for x in capsys.readouterr().out.splitlines() if "blocks" in x)
     assert f"kron {len(kron['kron'])} | diagonal {len(kron['diagonal'])} (" in line
+
+
+class TokenEncoder(nn.Module):
+    """Integer tokens through nn.Embedding, one nn.TransformerEncoderLayer (attention,
+    LayerNorms, feed-forward), mean over tokens, Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+def test_diag_of_an_encoder_layer_is_the_exact_ggn_diagonal_without_warnings():
+    """The default ``diag`` fit of a token transformer (Embedding, packed attention
+    in-projection, LayerNorm, feed-forward) against the exact GGN diagonal sum_n
+    diag(J_n^T (diag p_n - p_n p_n^T) J_n) from per-sample Jacobians: the MC-Fisher estimate
+    (one sampled label per row, 600 rows) is within 5% in every parameter's total and
+    correlates > 0.95 entry by entry. The fit leaves no FutureWarning from laplace-torch's
+    dependencies (ASDL's non-full backward hooks warned 8 times per upload)."""
+    torch.manual_seed(0)
+    model = TokenEncoder().eval()
+    x = torch.randint(0, 11, (600, TOKENS))
+    y = torch.randint(0, CLASSES, (600,))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    jac = torch.func.vmap(torch.func.jacrev(
+        lambda p, row: torch.func.functional_call(model, p, (row[None],))[0]),
+        in_dims=(None, 0))(params, x)
+    with torch.no_grad():
+        prob = model(x).softmax(-1).double()
+    ggn = torch.diag_embed(prob) - prob[:, :, None] * prob[:, None, :]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays = fit_curvature(model, x, y, "diag").to_arrays()
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    for name, j in jac.items():
+        j = j.flatten(2).double()
+        exact = torch.einsum("nkp,nkl,nlp->p", j, ggn, j)
+        fitted = torch.as_tensor(arrays[f"{name}/ggn_diag"]).double().flatten()
+        assert float(fitted.sum()) == pytest.approx(float(exact.sum()), rel=0.05), name
+        assert torch.corrcoef(torch.stack([fitted, exact]))[0, 1] > 0.95, name

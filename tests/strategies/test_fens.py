@@ -22,7 +22,7 @@ from fedfusion.app.federation import holdout_split
 from fedfusion.app.inprocess import InProcessGrid
 from fedfusion.core.predictors import save_predictor
 from fedfusion.server_app import run_server
-from fedfusion.strategies import FENS
+from fedfusion.strategies import FENS, UniformEnsemble
 from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
 from fedfusion.strategies.fens.training import LocalTraining, ServerOptimizer, train_locally
 from fedfusion.strategies.predictors import load_predictor
@@ -40,15 +40,18 @@ def tiny_federation(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor
     return data
 
 
-def fens_client_app(data: dict) -> ClientApp:
+def fens_client_app(data: dict, aggregator_rounds: bool = True) -> ClientApp:
     """A user's ClientApp: round 1 trains the broadcast members on the training rows; FENS'
-    aggregator rounds answer on the held-out rows."""
+    aggregator rounds answer on the held-out rows (or, without ``aggregator_rounds``, raise
+    as a ClientApp written for one-shot strategies does)."""
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         c = context.node_config["partition-id"]
         if client.is_aggregator_round(msg):
+            if not aggregator_rounds:
+                raise RuntimeError("this ClientApp only trains members")
             x, y = data[f"hold{c}"]
             return client.aggregator_reply(msg, context.state, TinyNet, x, y)
         x, y = data[f"train{c}"]
@@ -534,3 +537,22 @@ def test_the_largest_seed_runs_every_aggregator_round(small_settings):
     results = run_server(settings, InProcessGrid(settings))
     assert results["status"] == "ok" and results["excluded"] == []
     assert [t["clients"] for t in results["strategy_report"]["trace"][1:]] == [3, 3]
+
+
+def test_a_client_app_without_aggregator_rounds_leaves_the_ensemble_and_says_so(caplog):
+    """A ClientApp that only answers round 1 (no ``aggregator_reply``): every aggregator
+    round excludes its clients, FENS predicts with the uniform ensemble of the uploads (its
+    initial aggregator) and warns that no client trained the aggregator; ``num_rounds=2``
+    is refused (FENS is one-shot before its aggregator rounds)."""
+    data = tiny_federation()
+    strategy = FENS(TinyNet, num_clients=3, num_members=1, hidden=3, rounds=3, patience=0)
+    with pytest.raises(ValueError, match="fens is one-shot.*got 2"):
+        strategy.start(LocalGrid(fens_client_app(data), 3), num_rounds=2)
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        strategy.start(LocalGrid(fens_client_app(data, aggregator_rounds=False), 3))
+    ensemble = UniformEnsemble(TinyNet, num_clients=3).fuse_uploads(strategy.uploads)
+    x = torch.cat([data[f"hold{c}"][0] for c in range(3)])
+    with torch.no_grad():
+        torch.testing.assert_close(strategy.predictor(x), ensemble(x), atol=1e-5, rtol=0)
+    assert "no client trained the aggregator" in caplog.text
+    assert {e["round"] for e in strategy.exclusions} == {2}

@@ -181,13 +181,14 @@ class FENS(FusionStrategy):
         with seeded(self.context.seed):
             self.aggregator = LogitAggregator(len(models), num_classes, self.hidden)
         self._val_features = None
+        log.info("[fens] %d models under the initial aggregator (their uniform ensemble) "
+                 "until train_aggregator(grid) trains it; start() does both", len(models))
         return AggregatedEnsemble(models, specs, self.aggregator)
 
     def start(self, grid: Grid, *args: Any, evaluate_fn: Callable[[int, ArrayRecord],
               MetricRecord | None] | None = None, **kwargs: Any) -> FusionResult:
         """Round 1 (the one-shot uploads, :meth:`FusionStrategy.start`), then
         :meth:`train_aggregator` on the same grid; ``evaluate_fn`` sees both results."""
-        kwargs["num_rounds"] = 1
         self._train_config = dict(kwargs.get("train_config") or {})
         result = super().start(grid, *args, evaluate_fn=evaluate_fn, **kwargs)
         used = self.train_aggregator(grid)
@@ -266,6 +267,10 @@ class FENS(FusionStrategy):
                 break
             if self.patience and stale >= self.patience:
                 break
+        if not any(entry.get("clients") for entry in self.trace[1:]):
+            log.warning("[fens] no client trained the aggregator (see the exclusions): FENS "
+                        "predicts with the initial aggregator, the uniform ensemble of the %d "
+                        "models", len(models))
         if best:  # with validation: the best round's aggregator, else the last one
             self.aggregator.load_state_dict(best_state)
             self.calibrate()
