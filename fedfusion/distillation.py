@@ -80,6 +80,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.constraints import FINITE_POSITIVE, Constraint
+from fedfusion.grad_mode import gradients_on
 from fedfusion.seeding import seeded
 
 log = logging.getLogger("fedfusion")
@@ -244,6 +245,7 @@ def _frozen(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+@gradients_on()
 def distil(teacher: nn.Module, student: nn.Module, val: Any, options: DistillOptions,
            device: torch.device | str = "cpu",
            input_shape: tuple[int, ...] | None = None,

@@ -29,7 +29,9 @@ from torch.nn import functional as F
 from fedfusion.accel import requested
 from fedfusion.constraints import AT_LEAST_ONE, FINITE_POSITIVE, MOMENTUM, NON_NEGATIVE
 from fedfusion.device import model_device
+from fedfusion.grad_mode import gradients_on
 from fedfusion.loss_terms import LossTerm, ProximalTerm
+from fedfusion.seeding import seeded
 
 __all__ = ["LossTerm", "ProximalTerm", "TrainConfig", "TrainStats", "train_local",
            "train_members"]
@@ -75,9 +77,17 @@ def train_local(
 
     Each step minimises ``cross_entropy + sum(term(x_batch) for term in loss_terms)``. The
     model trains on its own device: ``(x, y)`` may stay on the CPU, each batch is moved
-    there (the shuffle is drawn on the CPU, so the order is the same on every device)."""
-    generator = torch.Generator().manual_seed(seed)
+    there (the shuffle is drawn on the CPU, so the order is the same on every device).
+    Whatever the model draws from torch's global generator (dropout) comes from ``seed`` in
+    a fork of it: the caller's generator and grad mode are left as they were."""
     device = model_device(model)
+    with gradients_on(), seeded(seed, device):
+        return _train_local(model, x, y, config, seed, loss_terms, device)
+
+
+def _train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: TrainConfig,
+                 seed: int, loss_terms: Sequence[LossTerm], device: torch.device) -> TrainStats:
+    generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     model.train()
     n = len(y)

@@ -144,3 +144,139 @@ def test_seeded_draws_what_manual_seed_draws_and_restores_the_caller():
         drawn = torch.rand(4)
     assert torch.equal(drawn, wanted)
     assert_unchanged(before, "seeded")
+
+
+class DropNet(nn.Module):
+    """A user's model with dropout: its forward in train mode draws from torch's global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 5, stride=2)
+        self.drop = nn.Dropout(0.3)
+        self.fc = nn.Linear(4 * 12 * 12, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(torch.relu(self.conv(x)).flatten(1)))
+
+
+def small() -> nn.Module:  # a last layer small enough for a quick diag_full block
+    return nn.Sequential(nn.Conv2d(1, 2, 5, stride=4, bias=False), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(2 * 6 * 6, 10, bias=False))
+
+
+def _upload_arrays(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    upload = client.make_upload([model], x, y, ["weights", "curvature.kron", "curvature.diag",
+                                                "curvature.diag_full"])
+    return {f"{s}/{k}": v for s, arrays in upload.members[0].items() for k, v in arrays.items()}
+
+
+@pytest.mark.parametrize("caller_mode", [torch.no_grad, torch.inference_mode],
+                         ids=["no_grad", "inference_mode"])
+def test_the_callers_grad_mode_changes_no_upload_and_no_fusion(data, caller_mode):
+    """Evaluation code wraps calls in no_grad or inference_mode: the uploads (the laplace-torch
+    Kron and diagonal fits, the last-layer block) and the fusions that optimise (FedBEns,
+    FedFisher, DENSE, distillation) are the same as outside it, not an error (inference
+    mode) or another estimator (the diagonal under no_grad fell back to a different
+    Monte-Carlo estimate, up to 7.7 off on values of 12)."""
+    x, y = data["client0"]
+    model = small()
+    sgd(model, x, y, epochs=1)
+    expected = _upload_arrays(model, x, y)
+    with caller_mode():
+        got = _upload_arrays(model, x, y)
+    assert expected.keys() == got.keys()
+    for key, array in expected.items():
+        np.testing.assert_array_equal(got[key], array, err_msg=key)
+    uploads = [client.make_upload([m], *data[f"client{c}"], ["weights", "curvature.kron"],
+                                  client_id=c)
+               for c, m in enumerate([model, *(small() for _ in range(2))])]
+    x_test = data["test"][0][:64]
+    for make in (lambda: FedBEns(small, steps=6, eval_every=3, val=data["val"]),
+                 lambda: FedFisher(small, steps=4, val=data["val"]),
+                 lambda: Dense(small, epochs=1, val=data["val"]),
+                 lambda: FedAvg(small, val=data["val"], distill="val", distill_epochs=1)):
+        plain = make().fuse_uploads(uploads)
+        with caller_mode():
+            moded = make().fuse_uploads(uploads)
+        with torch.no_grad():
+            torch.testing.assert_close(moded(x_test), plain(x_test), rtol=0, atol=0)
+
+
+def test_dropout_draws_come_from_the_seed_not_the_caller(data):
+    """train_local and a DENSE student with dropout: the same seed gives the same weights
+    whatever the caller drew before, and the caller's RNG is left as it was (dropout drew
+    from the caller's generator and advanced it)."""
+    from fedfusion.training import TrainConfig, train_local
+
+    x, y = data["client0"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        start = DropNet().state_dict()
+    trained, predictions = [], []
+    uploads = []
+    for caller_seed in (1, 2):
+        model = DropNet()
+        model.load_state_dict(start)
+        torch.manual_seed(caller_seed)
+        before = process_state()
+        train_local(model, x, y, TrainConfig(epochs=1, batch_size=32), seed=5)
+        assert_unchanged(before, "train_local with dropout")
+        trained.append(model.state_dict())
+        uploads = [client.make_upload([model], x, y, client_id=0),
+                   client.make_upload([DropNet()], *data["client1"], client_id=1)] \
+            if not uploads else uploads
+        before = process_state()
+        student = Dense(DropNet, epochs=2, batch_size=16, val=data["val"]).fuse_uploads(uploads)
+        assert_unchanged(before, "Dense with a dropout student")
+        with torch.no_grad():
+            predictions.append(student(data["test"][0][:64]))
+    for name, tensor in trained[0].items():
+        assert torch.equal(tensor, trained[1][name]), name
+    assert torch.equal(predictions[0], predictions[1])
+
+
+def test_importing_laplace_torch_leaves_the_callers_logging_alone(tmp_path):
+    """laplace-torch logs at import; without a handler on the root logger that configured
+    the caller's logging (a StreamHandler on root), and the caller's basicConfig later did
+    nothing. Run in a fresh interpreter: pytest keeps handlers on the root logger."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import logging, torch\n"
+        "from torch import nn\n"
+        "from fedfusion import client\n"
+        "x, y = torch.randn(32, 1, 4, 4), torch.randint(0, 3, (32,))\n"
+        "client.make_upload([nn.Sequential(nn.Flatten(), nn.Linear(16, 3))], x, y,\n"
+        "                   ['weights', 'curvature.kron'])\n"
+        "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
+        "logging.basicConfig(level=logging.INFO, format='MYAPP %(message)s')\n"
+        "logging.getLogger('caller').info('configured')\n")
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "MYAPP configured" in done.stderr
+
+
+def test_loading_a_fens_predictor_leaves_the_callers_rng(data, tmp_path):
+    from fedfusion.core.predictors import save_predictor
+    from fedfusion.strategies.fens.predictor import AggregatedEnsemble, LogitAggregator
+    from fedfusion.strategies.predictors import load_predictor
+
+    with torch.random.fork_rng(devices=[]):
+        members = [lenet(), lenet()]
+        aggregator = LogitAggregator(2, 10, 4)
+    spec = FedAvg(lenet, val=data["val"]).context.model_spec
+    path = save_predictor(AggregatedEnsemble(members, [spec, spec], aggregator),
+                          tmp_path / "fens.pt")
+    before = process_state()
+    loaded = load_predictor(path, model_fn=lenet)
+    assert_unchanged(before, "load_predictor of a FENS predictor")
+    x = data["test"][0][:16]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), AggregatedEnsemble(
+            members, [spec, spec], aggregator)(x))

@@ -55,6 +55,7 @@ from fedfusion.core.screening import capped_reason, chance_check, screen_uploads
 from fedfusion.core.state import state_arrays
 from fedfusion.device import present_device
 from fedfusion.distillation import DistillOptions, distil, pick_start
+from fedfusion.grad_mode import gradients_on
 from fedfusion.sections import SECTIONS, SectionTable
 from fedfusion.seeding import seeded
 from fedfusion.wire import (
@@ -413,7 +414,9 @@ class Fusion(ABC):
             uploads = [dataclasses.replace(u, members=u.members[:1]) for u in uploads]
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
-        with torch.enable_grad():  # the server's optimisations, whatever the caller's mode
+        # the server's optimisations, whatever the caller's grad mode; any draw from torch's
+        # global generator (a dropout layer in a distilled student) from the run's seed
+        with gradients_on(), seeded(self.context.seed, self.context.device):
             self.predictor = self.fuse(uploads)
             if not self.applies_norm_stats:
                 self.recalibrated_layers = self._apply_norm_stats(self.predictor)

@@ -72,6 +72,7 @@ from fedfusion.curvature.diag import DiagCurvature, DiagFullCurvature, last_laye
 from fedfusion.curvature.hybrid import check_kron_module, hybrid_kron_fit
 from fedfusion.curvature.kron import KronCurvature, matrix_shape
 from fedfusion.device import model_device
+from fedfusion.grad_mode import gradients_on
 from fedfusion.seeding import seeded
 
 log = logging.getLogger("fedfusion")
@@ -105,9 +106,18 @@ def import_laplace() -> float:
     if "laplace" in sys.modules:
         return 0.0
     start = time.perf_counter()
-    with quiet_laplace():
-        import laplace  # noqa: F401
-
+    # laplace-torch calls logging.info() at import: with no handler on the root logger that
+    # runs logging.basicConfig(), and the caller's own basicConfig() later does nothing
+    root = logging.getLogger()
+    guard = None if root.handlers else logging.NullHandler()
+    if guard is not None:
+        root.addHandler(guard)
+    try:
+        with quiet_laplace():
+            import laplace  # noqa: F401
+    finally:
+        if guard is not None:
+            root.removeHandler(guard)
     return time.perf_counter() - start
 
 
@@ -171,6 +181,7 @@ def _laplace(
 ) -> Any:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    import_laplace()
     with quiet_laplace():
         from laplace import Laplace, curvature
 
@@ -195,6 +206,7 @@ def _laplace(
     return la
 
 
+@gradients_on()
 def fit_laplace(
     model: nn.Module,
     x: torch.Tensor,
@@ -253,6 +265,7 @@ def _last_linear_name(model: nn.Module, param_shapes: dict[str, tuple[int, ...]]
     return module_name
 
 
+@gradients_on()
 def fit_curvature(
     model: nn.Module,
     x: torch.Tensor,

@@ -96,8 +96,9 @@ class AggregatedEnsemble(Ensemble):
     def from_payload(cls, payload: Mapping[str, Any], model_fn: ModelFn | None = None
                      ) -> AggregatedEnsemble:
         ensemble = Ensemble.from_payload(payload, model_fn)
-        aggregator = LogitAggregator(len(ensemble.members), ensemble.specs[0].num_classes,
-                                     int(payload["hidden"]))
+        with torch.random.fork_rng(devices=[]):  # a throw-away init: the caller's RNG stays
+            aggregator = LogitAggregator(len(ensemble.members), ensemble.specs[0].num_classes,
+                                         int(payload["hidden"]))
         aggregator.load_state_dict(payload["aggregator"])
         return cls(list(ensemble.members), ensemble.specs, aggregator)
 

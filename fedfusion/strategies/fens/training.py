@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedfusion.device import model_device
+from fedfusion.grad_mode import gradients_on
 from fedfusion.strategies.fens.predictor import LogitAggregator, member_log_probs
 from fedfusion.wire import DEFAULT_LIMITS, UploadLimits, decode_array
 
@@ -112,6 +113,7 @@ def features(models: Sequence[nn.Module], x: torch.Tensor, batch_size: int = 100
                       for i in range(0, len(x), batch_size)]) if len(x) else torch.empty(0)
 
 
+@gradients_on()
 def train_locally(aggregator: LogitAggregator, z: torch.Tensor, y: torch.Tensor,
                   training: LocalTraining, seed: int) -> float:
     """``training.epochs`` passes of SGD on the cross-entropy of ``aggregator`` over
