@@ -456,9 +456,10 @@ def test_a_holdout_fraction_outside_zero_one_is_refused_by_name(fraction):
         holdout_split(40, fraction, 0, 0)
 
 
-def test_a_node_claiming_many_rows_is_weighted_as_the_round_one_cap_says():
+def test_a_node_claiming_many_rows_is_weighted_as_the_round_one_cap_says(caplog):
     """Aggregator rounds cap each node's rows at num_examples_cap x the median of the other
-    nodes' (as round 1 caps num-examples): a claim of 1e9 rows is weighted as 3 x 20."""
+    nodes' (as round 1 caps num-examples): a claim of 1e9 rows is weighted as 3 x 20. Every
+    round's cap is recorded; the warning is logged once (the same claim capped again)."""
     data = tiny_federation()
 
     def tamper(index: int, reply: Message) -> Message:
@@ -467,7 +468,9 @@ def test_a_node_claiming_many_rows_is_weighted_as_the_round_one_cap_says():
         return reply
 
     strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=2, patience=0)
-    strategy.start(LocalGrid(fens_client_app(data), 3, tamper=tamper))
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        strategy.start(LocalGrid(fens_client_app(data), 3, tamper=tamper))
+    assert caplog.text.count("claims 1000000000") == 1
     assert [e for e in strategy.exclusions if e["round"] > 1] == []
     assert [t["rows"] for t in strategy.trace[1:]] == [20 + 20 + 60] * 2
     assert [(c["round"], c["node_id"], c["client_id"], c["claimed"], c["capped_to"])

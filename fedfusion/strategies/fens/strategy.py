@@ -365,7 +365,11 @@ class FENS(FusionStrategy):
                       "claimed": int(weights[i]),
                       "capped_to": counts[i], "median_of_others": median,
                       "factor": self.num_examples_cap}
-            log.warning("[fens] aggregator round %d: %s", server_round, capped_reason(record))
+            # every round's claim is recorded; the same claim capped again is not news
+            again = any(c["node_id"] == node and c["claimed"] == record["claimed"]
+                        and c["capped_to"] == record["capped_to"] for c in self.capped_claims)
+            log.log(logging.DEBUG if again else logging.WARNING,
+                    "[fens] aggregator round %d: %s", server_round, capped_reason(record))
             self.capped_claims.append({"round": server_round, **record})
         for message in sent:
             if message.metadata.dst_node_id not in replied:
