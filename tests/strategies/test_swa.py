@@ -51,8 +51,9 @@ SKEWED = np.array([0, 0, 0, 0, 0, 0, 0, 8, 1, 0, 0, 0, 2, 0, 0, 0], dtype=np.flo
 
 
 def test_hand_built_two_clients_hos():
-    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos")
-    # k3 = 0 for a symmetric layer: Gd = 0, so the skewed client takes the whole layer
+    strategy = StatisticalWeightAggregation(TINY, num_clients=2, distance="hos", score_cap=0)
+    # the paper's rule (no score cap); k3 = 0 for a symmetric layer: Gd = 0, so the skewed
+    # client takes the whole layer
     fused = _fuse(strategy, [_tiny_upload(0, SYMMETRIC), _tiny_upload(1, SKEWED)])
     np.testing.assert_allclose(fused.ravel(), SKEWED, atol=1e-6)
     assert strategy.report()["weights"]["net.1.weight"] == pytest.approx([0.0, 1.0], abs=1e-12)
@@ -138,7 +139,7 @@ def test_normalisation_parameters_and_buffers_follow_the_stated_rule():
          "ln.bias": np.array([0.2, 0.0, 0.3], f32)}
     uploads = [ClientUpload(0, NORM.name, {}, 100, [{"weights": a}]),
                ClientUpload(1, NORM.name, {}, 300, [{"weights": b}])]
-    strategy = StatisticalWeightAggregation(NORM, num_clients=2, distance="hos",
+    strategy = StatisticalWeightAggregation(NORM, num_clients=2, distance="hos", score_cap=0,
                                             size_weighting=True)
     fused = {k: v.numpy() for k, v in strategy.fuse(uploads).members[0].state_dict().items()}
     report = strategy.report()
@@ -253,9 +254,9 @@ def test_identical_clients_fuse_to_that_client():
     for name, value in swa.fuse([upload, upload]).members[0].state_dict().items():
         np.testing.assert_allclose(value.numpy(), upload.weights(0)[name], rtol=1e-6)
     # twins earn no weight by being two: symmetric twins (client 0 and 1: k3 = 0, Gd = 0)
-    # beside a skewed client, the skewed one takes the whole layer (client 0's model and
-    # FedAvg are other weights)
-    swa = StatisticalWeightAggregation(TINY, num_clients=3, distance="hos")
+    # beside a skewed client, the skewed one takes the whole layer under the paper's rule
+    # (client 0's model and FedAvg are other weights)
+    swa = StatisticalWeightAggregation(TINY, num_clients=3, distance="hos", score_cap=0)
     fused = _fuse(swa, [_tiny_upload(0, SYMMETRIC), _tiny_upload(1, SYMMETRIC),
                         _tiny_upload(2, SKEWED)])
     np.testing.assert_allclose(fused.ravel(), SKEWED, atol=1e-6)
@@ -382,3 +383,46 @@ def test_build_strategy_reads_the_swa_keys():
     assert isinstance(strategy, StatisticalWeightAggregation)
     assert (strategy.distance, strategy.size_weighting) == ("renyi0.5", True)
     assert not strategy.one_shot_only and strategy.client_config == {}
+
+
+def test_the_score_cap_bounds_one_clients_share_of_a_layer():
+    """Gd'_n = min(Gd_n, k median_{j != n} Gd_j) against the weights by hand: five clients
+    with near-Gaussian layers and one whose layer is one spike (|k3 k4| in the thousands,
+    ordinary norm). Under the paper's rule (score_cap=0) the spike takes over 95% of the
+    layer; capped at k = 3 its score is 3x the others' median (its share 0.43 here; at most
+    k / (k + C - 1) = 3/8 were the others' scores equal) and the others keep their relative
+    weights; the report names the capped client."""
+    rng = np.random.default_rng(0)
+    honest = [rng.standard_normal(16) for _ in range(5)]
+    spike = np.zeros(16)
+    spike[3] = 4.0
+    uploads = [_tiny_upload(c, w) for c, w in enumerate([*honest, spike])]
+    gd = np.array([_hos(w) for w in [*honest, spike]])
+    paper = StatisticalWeightAggregation(TINY, num_clients=6, distance="hos", score_cap=0)
+    _fuse(paper, uploads)
+    assert paper.report()["weights"]["net.1.weight"][5] > 0.95
+    assert paper.report()["capped"] == {}
+    capped = StatisticalWeightAggregation(TINY, num_clients=6, distance="hos")
+    fused = _fuse(capped, uploads)
+    by_hand = np.array([min(g, 3 * np.median(np.delete(gd, n))) for n, g in enumerate(gd)])
+    share = by_hand / by_hand.sum()
+    weights = capped.report()["weights"]["net.1.weight"]
+    assert weights == pytest.approx(share, abs=1e-6)  # the scores of float32 uploads
+    assert weights[5] < 0.45
+    np.testing.assert_allclose(fused.ravel(), sum(a * w for a, w in zip(
+        share, [*honest, spike], strict=True)), rtol=1e-5, atol=1e-6)
+    assert capped.report()["capped"] == {"net.1.weight": [5]}
+    assert capped.report()["score_cap"] == 3.0
+
+
+def test_the_score_cap_leaves_similar_clients_and_refuses_a_bad_factor():
+    """No client is capped unless its score exceeds k times the others' median: similar
+    honest layers fuse exactly as under the paper's rule."""
+    rng = np.random.default_rng(1)
+    uploads = [_tiny_upload(c, rng.standard_normal(16)) for c in range(4)]
+    plain = _fuse(StatisticalWeightAggregation(TINY, num_clients=4, score_cap=0), uploads)
+    strategy = StatisticalWeightAggregation(TINY, num_clients=4, score_cap=1e6)
+    np.testing.assert_array_equal(_fuse(strategy, uploads), plain)
+    for bad in (0.5, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="score_cap"):
+            StatisticalWeightAggregation(TINY, score_cap=bad)

@@ -8,7 +8,10 @@ client's uploaded tensor:
   (``|k3 k4|``) or ``renyi<a>`` (``D_a`` to an N(0, 1) sample), paper Eq. 3-6, computed
   on the standardised weights: see :mod:`fedfusion.strategies.swa.gaussianity` for the
   choices made there;
-* ``r_{n,l} = Gd_{n,l} / M_l`` with ``M_l = max_n Gd_{n,l}`` (Eq. 7);
+* ``Gd'_{n,l} = min(Gd_{n,l}, k median_{j != n} Gd_{j,l})`` with k = ``score_cap`` (run
+  config ``swa-score-cap``, default 3; 0 = the paper's rule, no cap): not in the paper, see
+  below;
+* ``r_{n,l} = Gd'_{n,l} / M_l`` with ``M_l = max_n Gd'_{n,l}`` (Eq. 7);
 * ``a_{n,l} = r_{n,l} s_n / sum_k r_{k,l} s_k`` with ``s_n`` = the client's number of
   examples when ``swa-size-weighting`` is on, else 1;
 * ``W_{S,l} = sum_n a_{n,l} W_{n,l}`` (Eq. 8, normalised).
@@ -26,6 +29,14 @@ Where this departs from, or fills in, the paper:
   weights (the zoo's LeNet and CNN have no biases).
 * Where every client's ``Gd`` of a layer is 0 (``M_l = 0``), ``r = 1``: the plain (or
   size-weighted) average.
+* **The score cap.** ``Gd`` is unbounded: a client whose layer is far from Gaussian, by
+  chance (|k3 k4| varies by an order of magnitude between honest non-IID clients) or by
+  design (a crafted heavy-tailed layer passes every norm check), takes nearly all of that
+  layer. Each client's ``Gd`` is capped at k times the median of the OTHER clients' (the
+  rule of the claimed-count cap, :func:`fedfusion.core.screening.capped_weights`; a client
+  cannot raise its own cap), so with C clients of similar scores one client's share of a
+  layer is at most k / (k + C - 1) (3 / 12 of 10 clients at k = 3, against 100%), and no
+  client is capped unless its score exceeds k times the others' median.
 
 Normalisation layers and buffers (the rule). An upload's weights are the member's whole
 ``state_dict``: parameters and buffers (BatchNorm's ``running_mean``, ``running_var`` and the
@@ -66,7 +77,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfusion.constraints import OFF_OR_AT_LEAST_ONE
 from fedfusion.core.architecture import ModelFn, ModelSpec
+from fedfusion.core.screening import capped_weights
 from fedfusion.core.state import weighted_average
 from fedfusion.strategies.fedavg import FedAvg
 from fedfusion.strategies.swa.gaussianity import DISTANCES, gaussianity_distance, is_degenerate
@@ -122,6 +135,14 @@ def buffer_owners(model: nn.Module) -> dict[str, str | None]:
     return owners
 
 
+def capped_scores(scores: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+    """``Gd'_{n,l} = min(Gd_{n,l}, k median_{j != n} Gd_{j,l})`` (k = ``factor``, 0 = no
+    cap) per layer; a layer whose distance is undefined for some client (NaN) is left as it
+    is (it is averaged by size)."""
+    return {name: gd if np.isnan(gd).any() else np.array(capped_weights(gd, factor))
+            for name, gd in scores.items()}
+
+
 def layer_weights(scores: dict[str, np.ndarray], sizes: Sequence[float] | None = None
                   ) -> dict[str, np.ndarray]:
     """``a_{n,l}`` per parameter name from the scores ``Gd_{n,l}``: ``r_{n,l} s_n`` normalised
@@ -142,6 +163,9 @@ class StatisticalWeightAggregation(FedAvg):
         The Gaussianity distance of each client's layer (uniform = plain average).
     size_weighting : bool, default False
         Multiply each client's layer weights by its example count.
+    score_cap : float, default 3.0
+        Cap each client's ``Gd`` of a layer at this x the other clients' median (0 = no cap,
+        the paper's rule; else >= 1).
     weighted_by_key : str, default "num-examples"
         As :class:`FedAvg`: the upload metric that ``size_weighting`` multiplies by.
     """
@@ -151,13 +175,15 @@ class StatisticalWeightAggregation(FedAvg):
 
     def __init__(self, model_fn: ModelFn | nn.Module | ModelSpec, *,
                  distance: str = "hos",
-                 size_weighting: bool = False, **kwargs: Any):
+                 size_weighting: bool = False, score_cap: float = 3.0, **kwargs: Any):
         super().__init__(model_fn, **kwargs)
         if distance not in SWA_DISTANCES:
             raise ValueError(f"unknown distance {distance!r}; choose one of "
                              f"{', '.join(SWA_DISTANCES)}")
+        OFF_OR_AT_LEAST_ONE.check("score_cap", score_cap)
         self.distance = distance
         self.size_weighting = size_weighting
+        self.score_cap = float(score_cap)
         self._last: dict[str, Any] = {}
         self._owners: dict[str, str | None] | None = None
 
@@ -178,7 +204,7 @@ class StatisticalWeightAggregation(FedAvg):
         owners = self.buffer_layers()
         scores = gaussianity_scores(arrays, self.distance, self.context.seed,
                                     [n for n in arrays[0] if n not in owners])
-        weights = layer_weights(scores, sizes)
+        weights = layer_weights(capped_scores(scores, self.score_cap), sizes)
         by_size = layer_weights({"": np.ones(len(holders))}, sizes)[""]
         for name in arrays[0]:
             if name not in weights:
@@ -190,7 +216,11 @@ class StatisticalWeightAggregation(FedAvg):
         scores, weights = self.entry_weights(holders, member)
         if member == 0:
             owners = self.buffer_layers()
+            capped = capped_scores(scores, self.score_cap)
             self._last = {"clients": [u.client_id for u in holders],
+                          "capped": {k: [u.client_id for u, a, b in zip(
+                              holders, gd, capped[k], strict=True) if b < a]
+                              for k, gd in scores.items() if (capped[k] < gd).any()},
                           "gd": {k: [None if np.isnan(v) else float(v) for v in gd]
                                  for k, gd in scores.items()},
                           "weights": {k: v.tolist() for k, v in weights.items()},
@@ -204,4 +234,5 @@ class StatisticalWeightAggregation(FedAvg):
         every state-dict entry of member 0, per client; the parameters whose distance was
         undefined for some client (size-weighted average); each buffer's layer."""
         return {"distance": self.distance, "size_weighting": self.size_weighting,
+                "score_cap": self.score_cap,
                 **self._last}
