@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
+
+
+def stream_seed(*words: int) -> int:
+    """A seed in [0, 2**63) for torch's generators from several words (e.g. the run's seed and
+    a round): numpy's SeedSequence mixes them, so (s, 1) and (s + 1, 0) share no stream."""
+    sequence = np.random.SeedSequence([w % 2**64 for w in words])
+    return int(sequence.generate_state(1, np.uint64)[0]) % 2**63
 
 
 @contextmanager

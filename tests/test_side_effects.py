@@ -191,6 +191,28 @@ def test_the_callers_grad_mode_changes_no_upload_and_no_fusion(data, caller_mode
                                   client_id=c)
                for c, m in enumerate([model, *(small() for _ in range(2))])]
     x_test = data["test"][0][:64]
+    # training: the clients' SGD loop and FENS' aggregator step
+    from fedfusion.strategies.fens.predictor import LogitAggregator
+    from fedfusion.strategies.fens.training import LocalTraining, train_locally
+    from fedfusion.training import TrainConfig, train_local
+
+    def untrained() -> tuple[nn.Module, nn.Module]:  # built outside the caller's mode
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return small(), LogitAggregator(3, 10, 4)
+
+    def train(net: nn.Module, head: nn.Module) -> list[torch.Tensor]:
+        train_local(net, x, y, TrainConfig(epochs=1), seed=3)
+        train_locally(head, log_probs, y, LocalTraining(), seed=3)
+        return [t.clone() for t in (*net.state_dict().values(), *head.state_dict().values())]
+
+    log_probs = torch.randn(len(y), 3, 10, generator=torch.Generator().manual_seed(0))
+    expected_weights = train(*untrained())
+    models = untrained()
+    with caller_mode():
+        got_weights = train(*models)
+    for want, got in zip(expected_weights, got_weights, strict=True):
+        assert torch.equal(want, got)
     for make in (lambda: FedBEns(small, steps=6, eval_every=3, val=data["val"]),
                  lambda: FedFisher(small, steps=4, val=data["val"]),
                  lambda: Dense(small, epochs=1, val=data["val"]),

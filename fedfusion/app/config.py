@@ -767,8 +767,8 @@ class Settings:
     swa_score_cap: float = knob(
         3.0,
         doc=("SWA: cap each client's Gaussianity distance of a layer at this x the other "
-             "clients' median (not in the paper: one client's share of a layer is at most "
-             "k / (k + C - 1) of C similar clients)"),
+             "clients' median (not in the paper: without size weighting one client's share "
+             "of a layer is at most k / (k + C - 1) of C similar clients)"),
         valid="`0` (the paper's rule: no cap) or >= 1",
         check=OFF_OR_AT_LEAST_ONE, strategy=(("swa", "score_cap"),))
     prox_mu: float = knob(

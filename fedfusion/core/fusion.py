@@ -57,7 +57,7 @@ from fedfusion.device import present_device
 from fedfusion.distillation import DistillOptions, distil, pick_start
 from fedfusion.grad_mode import gradients_on
 from fedfusion.sections import SECTIONS, SectionTable
-from fedfusion.seeding import seeded
+from fedfusion.seeding import seeded, stream_seed
 from fedfusion.wire import (
     DEFAULT_LIMITS,
     MAX_MEMBERS,
@@ -415,8 +415,10 @@ class Fusion(ABC):
         log.info("[%s] fusing %d client upload(s)", self.name, len(uploads))
         start = time.perf_counter()
         # the server's optimisations, whatever the caller's grad mode; any draw from torch's
-        # global generator (a dropout layer in a distilled student) from the run's seed
-        with gradients_on(), seeded(self.context.seed, self.context.device):
+        # global generator (a dropout layer in a distilled student) from the run's seed and
+        # the round (not the stream the student's init is drawn from)
+        with gradients_on(), seeded(stream_seed(self.context.seed, server_round, 0xF05E),
+                                    self.context.device):
             self.predictor = self.fuse(uploads)
             if not self.applies_norm_stats:
                 self.recalibrated_layers = self._apply_norm_stats(self.predictor)

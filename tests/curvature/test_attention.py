@@ -353,3 +353,29 @@ def test_diag_of_an_encoder_layer_is_the_exact_ggn_diagonal_without_warnings():
         fitted = torch.as_tensor(arrays[f"{name}/ggn_diag"]).double().flatten()
         assert float(fitted.sum()) == pytest.approx(float(exact.sum()), rel=0.05), name
         assert torch.corrcoef(torch.stack([fitted, exact]))[0, 1] > 0.95, name
+
+
+def test_quiet_laplace_silences_only_the_backward_hook_warning_asdl_is_immune_to():
+    """ASDL reads a hook's grad_output: torch's "multiple autograd Nodes" variant (which
+    loses grad_input) is silenced inside a fit; the variants that lose grad_output would mean
+    a wrong fit and still warn."""
+    from fedfusion.curvature.fit import quiet_laplace
+
+    class TwoOutputs(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2, x.exp()  # outputs from different autograd Nodes
+
+    def warned(module: nn.Module, x: torch.Tensor) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_laplace():
+                handle = module.register_backward_hook(lambda *args: None)
+                out = module(x)
+                sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+                handle.remove()
+        return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+    x = torch.randn(3, 4, requires_grad=True)
+    assert warned(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x) == []
+    loud = warned(TwoOutputs(), x)
+    assert loud and all("different autograd Nodes" in text for text in loud)

@@ -559,3 +559,13 @@ def test_a_client_app_without_aggregator_rounds_leaves_the_ensemble_and_says_so(
         torch.testing.assert_close(strategy.predictor(x), ensemble(x), atol=1e-5, rtol=0)
     assert "no client trained the aggregator" in caplog.text
     assert {e["round"] for e in strategy.exclusions} == {2}
+
+
+def test_no_aggregator_rounds_by_choice_is_no_warning(caplog):
+    """``rounds=0`` (fens-rounds 0: the uniform ensemble on purpose) trains no aggregator
+    and says nothing about clients that did not train it."""
+    strategy = FENS(TinyNet, num_clients=3, num_members=1, rounds=0)
+    with caplog.at_level("WARNING", logger="fedfusion"):
+        strategy.start(LocalGrid(fens_client_app(tiny_federation()), 3))
+    assert strategy.trace[1:] == [] and strategy.exclusions == []
+    assert "no client trained the aggregator" not in caplog.text

@@ -195,10 +195,11 @@ TRANSFORMER_REFUSED = {
     ("co-boosting", "token_transformer"): "token ids",
 }
 #: accuracy floors (chance 0.10): members reach 0.31-0.44 (vit) and 0.17-0.24 (token
-#: transformer, 8 epochs on a third of the classes each); on the token transformer FedAvg
-#: reaches 0.128 and SWA 0.110-0.116 (either score rule; 0.110 on one thread), so its floor
-#: is chance: what a stub would return is caught by the prediction gaps below
-TRANSFORMER_FLOOR = {"vit": 0.15, "token_transformer": 0.10}
+#: transformer, 8 epochs on a third of the classes each)
+TRANSFORMER_FLOOR = {"vit": 0.15, "token_transformer": 0.11}
+#: cells below their family's floor by measurement: SWA on the token transformer reaches
+#: 0.110-0.116 (either score rule; 0.110 on one thread), at chance like its FedAvg (0.128)
+CELL_FLOOR = {("swa", "token_transformer"): 0.10}
 
 
 def _train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int, epochs: int,
@@ -270,7 +271,7 @@ def test_every_strategy_on_the_transformers(strategy, family, transformer_data,
     uploads, predictor, accuracy = fuse_and_score(fuser, transformer_uploads[family],
                                                   data["test"])
     x, y = data["test"]
-    floor = TRANSFORMER_FLOOR[family]
+    floor = CELL_FLOOR.get((strategy, family), TRANSFORMER_FLOOR[family])
     assert accuracy >= floor, f"{strategy} on {family}: accuracy {accuracy:.3f} < {floor}"
     fedavg = FedAvg(spec, val=data["val"]).fuse_uploads(uploads)
     gaps = {lazy: prediction_gap(answer, predictor, x)

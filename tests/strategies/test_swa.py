@@ -285,7 +285,7 @@ def test_multi_round_swa_improves_on_real_fmnist(small_settings):
     assert len(accuracies) == 3
     assert accuracies[-1] > accuracies[0] and accuracies[-1] > 0.6
     spec = ModelSpec(results["model"], (1, 28, 28), 10)
-    _, weights = StatisticalWeightAggregation(spec).entry_weights(last, 0)
+    weights = StatisticalWeightAggregation(spec).entry_weights(last, 0).weights
     expected = weighted_average([u.weights(0) for u in last], weights)
     by_size = weighted_average([u.weights(0) for u in last], [u.num_examples for u in last])
     gap = 0.0
@@ -315,7 +315,8 @@ def test_one_shot_swa_and_its_replay(small_settings, tmp_path):
     assert live["status"] == "ok" and live["test"]["accuracy"] > 0.2  # sanity: chance is 10%
     _, clients, _ = load_uploads(uploads)
     arrays = [u.weights(0) for u in clients]
-    _, weights = StatisticalWeightAggregation(SPEC, distance="renyi1").entry_weights(clients, 0)
+    weights = StatisticalWeightAggregation(SPEC, distance="renyi1").entry_weights(
+        clients, 0).weights
     expected = weighted_average(arrays, weights)
     by_size = weighted_average(arrays, [u.num_examples for u in clients])
     fused = load_predictor(tmp_path / "swa1" / "predictor.pt").members[0].state_dict()
@@ -416,13 +417,15 @@ def test_the_score_cap_bounds_one_clients_share_of_a_layer():
 
 
 def test_the_score_cap_leaves_similar_clients_and_refuses_a_bad_factor():
-    """No client is capped unless its score exceeds k times the others' median: similar
-    honest layers fuse exactly as under the paper's rule."""
+    """No client is capped unless its score exceeds k times the others' median: four layers
+    of one skewed shape plus noise (scores 42-49) fuse at the default k = 3 exactly as under
+    the paper's rule."""
     rng = np.random.default_rng(1)
-    uploads = [_tiny_upload(c, rng.standard_normal(16)) for c in range(4)]
+    uploads = [_tiny_upload(c, SKEWED + 0.3 * rng.standard_normal(16)) for c in range(4)]
     plain = _fuse(StatisticalWeightAggregation(TINY, num_clients=4, score_cap=0), uploads)
-    strategy = StatisticalWeightAggregation(TINY, num_clients=4, score_cap=1e6)
+    strategy = StatisticalWeightAggregation(TINY, num_clients=4)
     np.testing.assert_array_equal(_fuse(strategy, uploads), plain)
+    assert strategy.report()["capped"] == {}
     for bad in (0.5, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="score_cap"):
             StatisticalWeightAggregation(TINY, score_cap=bad)

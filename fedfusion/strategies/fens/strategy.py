@@ -267,7 +267,7 @@ class FENS(FusionStrategy):
                 break
             if self.patience and stale >= self.patience:
                 break
-        if not any(entry.get("clients") for entry in self.trace[1:]):
+        if self.rounds and not any(entry.get("clients") for entry in self.trace[1:]):
             log.warning("[fens] no client trained the aggregator (see the exclusions): FENS "
                         "predicts with the initial aggregator, the uniform ensemble of the %d "
                         "models", len(models))

@@ -35,8 +35,10 @@ Where this departs from, or fills in, the paper:
   layer. Each client's ``Gd`` is capped at k times the median of the OTHER clients' (the
   rule of the claimed-count cap, :func:`fedfusion.core.screening.capped_weights`; a client
   cannot raise its own cap), so with C clients of similar scores one client's share of a
-  layer is at most k / (k + C - 1) (3 / 12 of 10 clients at k = 3, against 100%), and no
-  client is capped unless its score exceeds k times the others' median.
+  layer is at most k / (k + C - 1) (3 / 12 of 10 clients at k = 3, against 100%; 3 / 4 of
+  two), and no client is capped unless its score exceeds k times the others' median. With
+  ``size_weighting`` the example counts, capped at ``num_examples_cap`` = 3x by the same
+  rule, multiply in: at most 9 / (9 + C - 1) of equal honest clients.
 
 Normalisation layers and buffers (the rule). An upload's weights are the member's whole
 ``state_dict``: parameters and buffers (BatchNorm's ``running_mean``, ``running_var`` and the
@@ -71,7 +73,7 @@ module a buffer belongs to, is read from the server's model (built on the meta d
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -135,10 +137,21 @@ def buffer_owners(model: nn.Module) -> dict[str, str | None]:
     return owners
 
 
+class EntryWeights(NamedTuple):
+    """One member's ``Gd`` per parameter, the capped ``Gd'``, and the weights of every
+    state-dict entry."""
+
+    scores: dict[str, np.ndarray]
+    capped: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
+
+
 def capped_scores(scores: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
     """``Gd'_{n,l} = min(Gd_{n,l}, k median_{j != n} Gd_{j,l})`` (k = ``factor``, 0 = no
     cap) per layer; a layer whose distance is undefined for some client (NaN) is left as it
-    is (it is averaged by size)."""
+    is (it is averaged by size). Where the others' median is exactly 0 (half or more of the
+    clients' layers exactly symmetric, k3 = 0) a positive score is capped to 0 too, and the
+    layer is averaged plainly (the paper's rule would give that client all of it)."""
     return {name: gd if np.isnan(gd).any() else np.array(capped_weights(gd, factor))
             for name, gd in scores.items()}
 
@@ -195,28 +208,28 @@ class StatisticalWeightAggregation(FedAvg):
                 self._owners = buffer_owners(self.context.model_spec.build())
         return self._owners
 
-    def entry_weights(self, holders: Sequence[ClientUpload], member: int
-                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """``Gd_{n,l}`` of every parameter and the weights ``a_{n,l}`` of every state-dict
-        entry (a buffer: its layer's; see the module docstring) of member ``member``."""
+    def entry_weights(self, holders: Sequence[ClientUpload], member: int) -> EntryWeights:
+        """``Gd_{n,l}`` and ``Gd'_{n,l}`` of every parameter and the weights ``a_{n,l}`` of
+        every state-dict entry (a buffer: its layer's; see the module docstring) of member
+        ``member``."""
         arrays = [u.weights(member) for u in holders]
         sizes = self.client_weights(holders) if self.size_weighting else None
         owners = self.buffer_layers()
         scores = gaussianity_scores(arrays, self.distance, self.context.seed,
                                     [n for n in arrays[0] if n not in owners])
-        weights = layer_weights(capped_scores(scores, self.score_cap), sizes)
+        capped = capped_scores(scores, self.score_cap)
+        weights = layer_weights(capped, sizes)
         by_size = layer_weights({"": np.ones(len(holders))}, sizes)[""]
         for name in arrays[0]:
             if name not in weights:
                 owner = owners.get(name)
                 weights[name] = weights[owner] if owner in weights else by_size
-        return scores, weights
+        return EntryWeights(scores, capped, weights)
 
     def member_average(self, holders: Sequence[ClientUpload], member: int) -> NumpyDict:
-        scores, weights = self.entry_weights(holders, member)
+        scores, capped, weights = self.entry_weights(holders, member)
         if member == 0:
             owners = self.buffer_layers()
-            capped = capped_scores(scores, self.score_cap)
             self._last = {"clients": [u.client_id for u in holders],
                           "capped": {k: [u.client_id for u, a, b in zip(
                               holders, gd, capped[k], strict=True) if b < a]
@@ -231,8 +244,10 @@ class StatisticalWeightAggregation(FedAvg):
 
     def report(self) -> dict[str, Any]:
         """The last fusion's ``Gd`` (None: undefined) of every parameter and the weights of
-        every state-dict entry of member 0, per client; the parameters whose distance was
-        undefined for some client (size-weighted average); each buffer's layer."""
+        every state-dict entry of member 0, per client; the clients whose ``Gd`` the score
+        cap lowered, per parameter (``capped``: that fusion and member 0 only); the parameters
+        whose distance was undefined for some client (size-weighted average); each buffer's
+        layer; ``score_cap``."""
         return {"distance": self.distance, "size_weighting": self.size_weighting,
                 "score_cap": self.score_cap,
                 **self._last}
